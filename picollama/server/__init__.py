@@ -1,0 +1,1 @@
+"""picollama.server"""
