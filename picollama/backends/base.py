@@ -1,0 +1,238 @@
+"""The tensor op interface every backend implements, and the backend registry.
+
+Model files are written only against ``Backend``: they never touch numpy, CuPy or PyOpenCL
+arrays directly, so one forward pass runs on every backend. A backend owns its arrays
+(``Array`` is whatever it uses: a numpy array on the CPU, a CuPy array on CUDA, ...) and its
+weights, which stay in their quantized GGUF form; the matmul dequantizes block by block.
+
+Shapes use the row-major numpy convention: activations are ``(n_tokens, features)``; a weight
+of GGUF shape ``(k, m)`` (``ne[0] = k`` inputs per row, ``m`` rows) maps ``k`` features to
+``m``. Keep where memory lives (``weight``, ``from_host``, ``new_kv_cache``) apart from what
+computes (the ops).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from picollama.gguf.constants import GGMLType
+
+__all__ = [
+    "Array",
+    "Weight",
+    "KVCache",
+    "Backend",
+    "BackendError",
+    "BACKENDS",
+    "get_backend",
+    "available_backends",
+]
+
+Array = Any  # the backend's own array type
+
+
+class BackendError(RuntimeError):
+    """A backend that can't run here (library or device missing), or an op it can't do."""
+
+
+@dataclass
+class Weight:
+    """A model weight as the backend holds it: quantized, never expanded to floats.
+
+    ``data`` is backend-specific (CPU: the uint8 rows, a zero-copy view into the mmap).
+    ``shape`` is the GGUF shape: ``shape[0]`` weights per row.
+    """
+
+    name: str
+    type: GGMLType
+    shape: tuple[int, ...]
+    data: Any
+
+    @property
+    def k(self) -> int:
+        """Inputs per row (``ne[0]``)."""
+        return self.shape[0]
+
+    @property
+    def m(self) -> int:
+        """Number of rows (outputs of a matmul, entries of an embedding table)."""
+        n = 1
+        for dim in self.shape[1:]:
+            n *= dim
+        return n
+
+
+@dataclass
+class KVCache:
+    """Per-layer key and value storage for ``n_ctx`` positions.
+
+    ``k[layer]`` is ``(n_ctx, n_kv_heads, head_dim_k)`` and ``v[layer]`` is
+    ``(n_ctx, n_kv_heads, head_dim_v)``, in the backend's array type. ``n_past`` is the
+    number of positions written so far; the generation loop moves it (rolling back is
+    just lowering it, since every position is written before it is read).
+    """
+
+    n_ctx: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    k: list = field(default_factory=list)
+    v: list = field(default_factory=list)
+    n_past: int = 0
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.k)
+
+
+class Backend(ABC):
+    """A device and its ops. Subclasses register themselves in ``BACKENDS`` by name."""
+
+    name: ClassVar[str] = ""
+
+    # -- memory ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def weight(self, name: str, ggml_type: GGMLType, shape: tuple[int, ...], data) -> Weight:
+        """Take a weight from its GGUF bytes (a uint8 view into the mmap), kept quantized."""
+
+    @abstractmethod
+    def from_host(self, a: np.ndarray) -> Array:
+        """Copy (or view) a host float32/int32 array into the backend."""
+
+    @abstractmethod
+    def to_host(self, x: Array) -> np.ndarray:
+        """The array as a host numpy array (logits, for the sampler)."""
+
+    @abstractmethod
+    def new_kv_cache(
+        self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim_k: int, head_dim_v: int
+    ) -> KVCache:
+        """Allocate a KV cache for ``n_ctx`` positions."""
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held by weights, KV cache and workspace (optional, default: empty)."""
+        return {}
+
+    def supports(self, op: str, ggml_type: GGMLType | None = None) -> bool:
+        """Whether ``op`` (and, for weight ops, weights of ``ggml_type``) can run here."""
+        return hasattr(self, op) and ggml_type is None
+
+    # -- compute --------------------------------------------------------------------------
+
+    @abstractmethod
+    def matmul(self, x: Array, w: Weight) -> Array:
+        """``x @ dequant(w).T``: (n_tokens, k) -> (n_tokens, m), dequantizing block by block."""
+
+    @abstractmethod
+    def get_rows(self, w: Weight, ids: np.ndarray) -> Array:
+        """Rows ``ids`` of an embedding table, dequantized: (len(ids), k)."""
+
+    @abstractmethod
+    def rms_norm(self, x: Array, weight: Array | None, eps: float) -> Array:
+        """RMS-normalize each row of ``x`` (last axis), then scale by ``weight`` if given."""
+
+    @abstractmethod
+    def rope(
+        self,
+        x: Array,
+        positions: np.ndarray,
+        n_rot: int,
+        freq_base: float,
+        freq_scale: float = 1.0,
+        neox: bool = False,
+    ) -> Array:
+        """Rotary embedding of ``x`` (n_tokens, n_heads, head_dim) at ``positions``.
+
+        The first ``n_rot`` dims of each head rotate; pairs are adjacent ``(2i, 2i+1)`` in
+        the normal ordering and ``(i, i + n_rot/2)`` in the NeoX ordering. The angle of pair
+        i at position p is ``p * freq_scale * freq_base ** (-2i / n_rot)``.
+        """
+
+    @abstractmethod
+    def store_kv(self, cache: KVCache, layer: int, k: Array, v: Array, start: int) -> None:
+        """Write ``k``/``v`` (n_tokens, n_kv_heads, head_dim) at positions start, start+1, ..."""
+
+    @abstractmethod
+    def attention(
+        self,
+        q: Array,
+        cache: KVCache,
+        layer: int,
+        start: int,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> Array:
+        """Causal attention of ``q`` (n_tokens, n_heads, head_dim_k) at positions start...
+
+        Keys and values come from the cache (positions ``0 .. start + n_tokens - 1``, the
+        current tokens already stored). Query heads share KV heads in groups (GQA). With
+        ``window`` > 0 a query at p sees only keys at p0 with ``p - p0 < window``; with
+        ``softcap`` > 0 scores become ``softcap * tanh(score / softcap)`` before the softmax.
+        Returns (n_tokens, n_heads * head_dim_v).
+        """
+
+    @abstractmethod
+    def silu_mul(self, gate: Array, up: Array) -> Array:
+        """``silu(gate) * up`` (SwiGLU)."""
+
+    @abstractmethod
+    def gelu_mul(self, gate: Array, up: Array) -> Array:
+        """``gelu(gate) * up`` with the tanh approximation (GeGLU), as ggml computes it."""
+
+    @abstractmethod
+    def add(self, a: Array, b: Array) -> Array:
+        """Elementwise ``a + b`` (``b`` may broadcast over rows)."""
+
+    @abstractmethod
+    def mul(self, a: Array, b: Array) -> Array:
+        """Elementwise ``a * b`` (``b`` may broadcast over rows)."""
+
+    @abstractmethod
+    def scale(self, x: Array, s: float) -> Array:
+        """``x * s``."""
+
+    @abstractmethod
+    def softcap(self, x: Array, cap: float) -> Array:
+        """``cap * tanh(x / cap)`` (final-logit softcapping)."""
+
+    @abstractmethod
+    def take_rows(self, x: Array, rows: np.ndarray) -> Array:
+        """Rows ``rows`` of a 2-D activation (keep only the tokens whose logits are wanted)."""
+
+    def synchronize(self) -> None:
+        """Wait for queued work (optional, default: nothing to wait for)."""
+
+
+# name -> "module:Class"; GPU modules are imported only when asked for.
+BACKENDS: dict[str, str] = {
+    "cpu": "picollama.backends.cpu.backend:CPUBackend",
+    "cuda": "picollama.backends.cuda.backend:CUDABackend",
+    "opencl": "picollama.backends.opencl.backend:OpenCLBackend",
+}
+
+
+def available_backends() -> list[str]:
+    return list(BACKENDS)
+
+
+def get_backend(name: str = "cpu", **options) -> Backend:
+    """Create the backend called ``name``; ``BackendError`` says plainly why it can't run."""
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")
+    module_name, class_name = BACKENDS[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):
+            raise BackendError(f"backend '{name}' is not part of this picollama build") from None
+        raise BackendError(
+            f"backend '{name}' needs the Python package '{err.name}', which is not installed"
+        ) from None
+    return getattr(module, class_name)(**options)

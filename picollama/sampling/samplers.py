@@ -1,0 +1,232 @@
+"""The sampler chain: llama.cpp's samplers, defaults and order, as small pure functions.
+
+Each sampler takes and returns ``Candidates`` (token ids with their logits, like llama.cpp's
+``llama_token_data_array``); the last step draws a token with an explicit random generator,
+so a seed reproduces a run. The default order is llama.cpp's: penalties, top-k, typical,
+top-p, min-p, temperature, then the draw. A temperature of 0 (or less) is greedy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "SamplingParams",
+    "Candidates",
+    "Sampler",
+    "apply_penalties",
+    "top_k",
+    "typical",
+    "top_p",
+    "min_p",
+    "temperature",
+]
+
+DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: pick a random seed
+
+
+@dataclass
+class SamplingParams:
+    """llama.cpp's ``common_params_sampling`` defaults."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_keep: int = 0
+    seed: int = DEFAULT_SEED
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    def validate(self, n_vocab: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first parameter out of range."""
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be finite, got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 <= self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in [0, 1], got {self.typical_p}")
+        if self.repeat_last_n < -1:
+            raise ValueError(f"repeat_last_n must be >= -1, got {self.repeat_last_n}")
+        if self.repeat_penalty <= 0 or not math.isfinite(self.repeat_penalty):
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if n_vocab is not None:
+            for tok in self.logit_bias:
+                if not 0 <= int(tok) < n_vocab:
+                    raise ValueError(f"logit_bias token {tok} is outside the vocabulary")
+
+
+@dataclass
+class Candidates:
+    """Token ids and their logits; ``sorted`` says whether they are in descending order."""
+
+    ids: np.ndarray  # int64
+    logits: np.ndarray  # float32
+    sorted: bool = False
+
+    @classmethod
+    def from_logits(cls, logits: np.ndarray) -> Candidates:
+        return cls(np.arange(len(logits), dtype=np.int64), logits.astype(np.float32, copy=False))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def sort(self) -> Candidates:
+        if not self.sorted:
+            order = np.argsort(-self.logits, kind="stable")
+            return Candidates(self.ids[order], self.logits[order], True)
+        return self
+
+    def keep(self, n: int) -> Candidates:
+        c = self.sort()
+        return Candidates(c.ids[:n], c.logits[:n], True)
+
+    def probs(self) -> np.ndarray:
+        """Softmax of the logits, in float64 for stable cumulative sums."""
+        z = self.logits.astype(np.float64)
+        z = np.exp(z - z.max())
+        return z / z.sum()
+
+
+def apply_penalties(
+    logits: np.ndarray, history: Sequence[int], repeat: float, freq: float, present: float
+) -> np.ndarray:
+    """Repetition, frequency and presence penalties over ``history`` (the last N tokens).
+
+    ``logits`` is the full-vocabulary row (penalties come first in the chain); a new array
+    is returned.
+    """
+    if not history or (repeat == 1.0 and freq == 0.0 and present == 0.0):
+        return logits
+    logits = logits.copy()
+    for tok, count in Counter(history).items():
+        if not 0 <= tok < len(logits):
+            continue
+        if logits[tok] <= 0:
+            logits[tok] *= repeat
+        else:
+            logits[tok] /= repeat
+        logits[tok] -= count * freq + (count > 0) * present
+    return logits
+
+
+def top_k(c: Candidates, k: int, min_keep: int = 1) -> Candidates:
+    if k <= 0:
+        return c
+    k = max(k, min_keep)
+    if k >= len(c):
+        return c.sort()
+    part = np.argpartition(-c.logits, k - 1)[:k]
+    sub = Candidates(c.ids[part], c.logits[part])
+    return sub.sort()
+
+
+def typical(c: Candidates, p: float, min_keep: int = 1) -> Candidates:
+    """Locally typical sampling: keep tokens whose surprise is closest to the entropy."""
+    if p >= 1.0:
+        return c
+    probs = c.probs()
+    logp = np.log(np.maximum(probs, 1e-300))
+    entropy = -(probs * logp).sum()
+    shifted = np.abs(-logp - entropy)
+    order = np.argsort(shifted, kind="stable")
+    cum = np.cumsum(probs[order])
+    n = int(np.searchsorted(cum, p, side="right")) + 1
+    n = min(max(n, min_keep), len(order))
+    keep = order[:n]
+    return Candidates(c.ids[keep], c.logits[keep], False)
+
+
+def top_p(c: Candidates, p: float, min_keep: int = 1) -> Candidates:
+    if p >= 1.0:
+        return c
+    c = c.sort()
+    cum = np.cumsum(c.probs())
+    # keep up to and including the first token where the cumulative mass reaches p
+    n = int(np.searchsorted(cum, p, side="left")) + 1
+    return c.keep(min(max(n, min_keep), len(c)))
+
+
+def min_p(c: Candidates, p: float, min_keep: int = 1) -> Candidates:
+    if p <= 0.0 or len(c) <= 1:
+        return c
+    threshold = c.logits.max() + math.log(p)
+    mask = c.logits >= threshold
+    if mask.sum() < min_keep:
+        return c.keep(min_keep)
+    return Candidates(c.ids[mask], c.logits[mask], c.sorted)
+
+
+def temperature(c: Candidates, t: float) -> Candidates:
+    if t <= 0.0:
+        best = int(np.argmax(c.logits))
+        return Candidates(c.ids[best : best + 1], c.logits[best : best + 1], True)
+    return Candidates(c.ids, (c.logits / np.float32(t)).astype(np.float32), c.sorted)
+
+
+class Sampler:
+    """The chain for one generation; ``sample(logits)`` returns a token id.
+
+    Tokens the caller accepts (prompt and output) feed the penalty window through
+    ``accept``.
+    """
+
+    def __init__(self, params: SamplingParams | None = None, n_vocab: int | None = None):
+        self.params = params or SamplingParams()
+        self.params.validate(n_vocab)
+        seed = self.params.seed
+        if seed is None or seed == DEFAULT_SEED or seed < 0:
+            seed = int(np.random.SeedSequence().entropy % (1 << 32))
+        self.seed = int(seed)
+        self.rng = np.random.default_rng(self.seed)
+        self.history: list[int] = []
+
+    def accept(self, token: int) -> None:
+        self.history.append(int(token))
+        n = self.params.repeat_last_n
+        limit = 4096 if n == -1 else max(n, 0)
+        if len(self.history) > 2 * max(limit, 64):
+            self.history = self.history[-limit:] if limit else []
+
+    def _window(self) -> list[int]:
+        n = self.params.repeat_last_n
+        if n == 0:
+            return []
+        return self.history if n == -1 else self.history[-n:]
+
+    def candidates(self, logits: np.ndarray) -> Candidates:
+        """The filtered, temperature-scaled candidates before the draw."""
+        p = self.params
+        row = np.array(logits, dtype=np.float32).reshape(-1)
+        for tok, bias in p.logit_bias.items():
+            row[int(tok)] += np.float32(bias)
+        row = apply_penalties(
+            row, self._window(), p.repeat_penalty, p.frequency_penalty, p.presence_penalty
+        )
+        c = Candidates.from_logits(row)
+        keep = max(p.min_keep, 1)
+        if p.temperature <= 0.0:
+            return temperature(c, p.temperature)
+        c = top_k(c, p.top_k, keep)
+        c = typical(c, p.typical_p, keep)
+        c = top_p(c, p.top_p, keep)
+        c = min_p(c, p.min_p, keep)
+        return temperature(c, p.temperature)
+
+    def sample(self, logits: np.ndarray) -> int:
+        c = self.candidates(logits)
+        if len(c) == 1:
+            return int(c.ids[0])
+        probs = c.probs()
+        return int(c.ids[self.rng.choice(len(probs), p=probs)])

@@ -1,0 +1,115 @@
+"""CPU backend ops (norms, RoPE, attention, activations) against plain numpy in float64.
+
+Tolerances: the kernels compute in float32 like ggml, so each result carries a few float32
+roundings per term: relative 1e-5 of the magnitude involved is far above that (float32 eps
+is 1.2e-7) and far below any real error (a wrong index or a missing term shows as O(1)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from picollama.backends.cpu import ops
+
+RNG = np.random.default_rng(1234)
+
+
+def _rand(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _rope_ref(x, positions, n_rot, base, scale, neox):
+    x = x.astype(np.float64)
+    out = x.copy()
+    half = n_rot // 2
+    inv = base ** (-2.0 * np.arange(half) / n_rot)
+    for t, pos in enumerate(positions):
+        ang = pos * scale * inv
+        c, s = np.cos(ang), np.sin(ang)
+        if neox:
+            a, b = x[t, :, :half], x[t, :, half:n_rot]
+            out[t, :, :half] = a * c - b * s
+            out[t, :, half:n_rot] = a * s + b * c
+        else:
+            a, b = x[t, :, 0:n_rot:2], x[t, :, 1:n_rot:2]
+            out[t, :, 0:n_rot:2] = a * c - b * s
+            out[t, :, 1:n_rot:2] = a * s + b * c
+    return out
+
+
+def _attention_ref(q, k, v, start, scale, window, softcap):
+    n, n_heads, _ = q.shape
+    n_kv_heads, dv = k.shape[1], v.shape[2]
+    group = n_heads // n_kv_heads
+    out = np.zeros((n, n_heads, dv))
+    for t in range(n):
+        pos = start + t
+        for h in range(n_heads):
+            keys = np.arange(pos + 1)
+            if window:
+                keys = keys[pos - keys < window]
+            s = k[keys, h // group].astype(np.float64) @ q[t, h].astype(np.float64) * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[t, h] = p @ v[keys, h // group].astype(np.float64)
+    return out.reshape(n, -1)
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 640), (3, 4, 256)])
+def test_rms_norm(shape, with_weight):
+    x = _rand(*shape)
+    w = _rand(shape[-1]) if with_weight else None
+    eps = 1e-6
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64**2).mean(axis=-1, keepdims=True) + eps)
+    if with_weight:
+        ref = ref * w
+    got = ops.rms_norm(x, w, eps)
+    assert got.shape == x.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("n_rot,head_dim", [(64, 64), (32, 64), (256, 256)])
+def test_rope(neox, n_rot, head_dim):
+    x = _rand(5, 3, head_dim)
+    positions = np.array([0, 1, 17, 511, 4000])
+    got = ops.rope(x, positions, n_rot, 10000.0, 0.5, neox)
+    ref = _rope_ref(x, positions, n_rot, 10000.0, 0.5, neox)
+    # the float32 running product of angles drifts by ~n_rot/2 ulps; at position 4000 the
+    # angle is ~2000 rad, so sin/cos move by ~2000 * 32 * 6e-8 ~ 4e-3 relative at worst
+    tol = 2e-3 * positions.max() / 1000
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.abs(x).max())
+    # position 0 is the identity
+    np.testing.assert_array_equal(got[0], x[0])
+
+
+@pytest.mark.parametrize(
+    "n,start,n_heads,n_kv,window,softcap",
+    [(1, 0, 4, 1, 0, 0.0), (1, 37, 9, 3, 0, 0.0), (6, 0, 4, 2, 0, 0.0),
+     (5, 20, 4, 4, 8, 0.0), (3, 10, 2, 1, 0, 50.0)],
+)
+def test_attention(n, start, n_heads, n_kv, window, softcap):
+    head_dim, n_ctx = 32, 64
+    q = _rand(n, n_heads, head_dim)
+    k = np.zeros((n_ctx, n_kv, head_dim), np.float32)
+    v = np.zeros((n_ctx, n_kv, head_dim), np.float32)
+    k[: start + n] = _rand(start + n, n_kv, head_dim)
+    v[: start + n] = _rand(start + n, n_kv, head_dim)
+    scale = 1 / np.sqrt(head_dim)
+    got = ops.attention(q, k, v, start, scale, window, softcap)
+    ref = _attention_ref(q, k, v, start, scale, window, softcap)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_and_gelu_mul():
+    g, u = _rand(3, 100) * 4, _rand(3, 100)
+    g64 = g.astype(np.float64)
+    silu = g64 / (1 + np.exp(-g64)) * u
+    gelu = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64**3))) * u
+    np.testing.assert_allclose(ops.silu_mul(g, u), silu, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.gelu_mul(g, u), gelu, rtol=1e-5, atol=1e-6)

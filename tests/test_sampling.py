@@ -1,0 +1,123 @@
+"""The sampler chain: each sampler's rule, llama.cpp's defaults, seeded reproducibility."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from picollama.sampling.samplers import (
+    Candidates,
+    Sampler,
+    SamplingParams,
+    apply_penalties,
+    min_p,
+    temperature,
+    top_k,
+    top_p,
+    typical,
+)
+from picollama.sampling.stop import StopStrings
+
+
+def _cands(logits):
+    return Candidates.from_logits(np.array(logits, dtype=np.float32))
+
+
+def test_defaults_are_llama_cpp_defaults():
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.typical_p) == (0.8, 40, 0.95, 0.05, 1.0)
+    assert (p.repeat_penalty, p.repeat_last_n) == (1.0, 64)
+
+
+def test_greedy_at_zero_temperature():
+    logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    s = Sampler(SamplingParams(temperature=0.0, seed=1), 1000)
+    assert s.sample(logits) == int(np.argmax(logits))
+
+
+def test_top_k_keeps_the_k_largest():
+    c = top_k(_cands([0.1, 3.0, -1.0, 2.0, 2.5]), 3)
+    assert c.ids.tolist() == [1, 4, 3]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    c = top_p(_cands(np.log(probs)), 0.8)
+    assert sorted(c.ids.tolist()) == [0, 1]
+    c = top_p(_cands(np.log(probs)), 0.81)
+    assert sorted(c.ids.tolist()) == [0, 1, 2]
+
+
+def test_min_p_relative_to_best():
+    probs = np.array([0.6, 0.3, 0.05, 0.04, 0.01])
+    c = min_p(_cands(np.log(probs)), 0.1)  # keep p >= 0.06
+    assert sorted(c.ids.tolist()) == [0, 1]
+
+
+def test_typical_keeps_at_least_min_keep():
+    c = typical(_cands([5.0, 0.0, 0.0, 0.0]), 0.01, min_keep=2)
+    assert len(c) == 2
+
+
+def test_temperature_scales_logits():
+    c = temperature(_cands([1.0, 2.0]), 0.5)
+    assert c.logits.tolist() == [2.0, 4.0]
+
+
+def test_penalties_follow_llama_cpp():
+    logits = np.array([2.0, -2.0, 1.0, 0.5], dtype=np.float32)
+    out = apply_penalties(logits, [0, 0, 1, 3], repeat=2.0, freq=0.1, present=0.5)
+    # positive logits divide, negative multiply, then count*freq + present subtract
+    assert out[0] == pytest.approx(2.0 / 2 - 2 * 0.1 - 0.5)
+    assert out[1] == pytest.approx(-2.0 * 2 - 0.1 - 0.5)
+    assert out[2] == 1.0
+    assert out[3] == pytest.approx(0.5 / 2 - 0.1 - 0.5)
+
+
+def test_seed_reproduces_and_differs():
+    logits = np.random.default_rng(3).standard_normal(500).astype(np.float32)
+    params = dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+
+    def run(seed):
+        s = Sampler(SamplingParams(seed=seed, **params), 500)
+        return [s.sample(logits) for _ in range(50)]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_logit_bias_bans_a_token():
+    logits = np.array([5.0, 1.0, 0.0], dtype=np.float32)
+    s = Sampler(SamplingParams(temperature=0.0, logit_bias={0: -np.inf}), 3)
+    assert s.sample(logits) == 1
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("top_p", 1.1), ("min_p", -0.1), ("temperature", float("nan")), ("repeat_last_n", -2),
+     ("repeat_penalty", 0.0)],
+)
+def test_invalid_parameters_are_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        Sampler(SamplingParams(**{field: value}), 10)
+
+
+def test_logit_bias_out_of_vocab():
+    with pytest.raises(ValueError, match="logit_bias token 10"):
+        Sampler(SamplingParams(logit_bias={10: 1.0}), 10)
+
+
+def test_stop_strings_hold_back_partial_match():
+    s = StopStrings(["</end>"])
+    assert s.push("Hello </") == "Hello "
+    assert s.push("en") == ""
+    assert s.push("d> tail") == ""
+    assert s.hit and s.text == "Hello "
+
+
+def test_stop_strings_release_false_alarm():
+    s = StopStrings(["###"])
+    assert s.push("a#") == "a"
+    assert s.push("b") == "#b"
+    assert not s.hit
+    assert s.flush() == ""
