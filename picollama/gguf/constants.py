@@ -161,7 +161,9 @@ def row_nbytes(ggml_type: int, n: int) -> int:
     """Bytes taken by ``n`` consecutive weights of ``ggml_type`` (``n`` a multiple of the block)."""
     info = type_info(ggml_type)
     if n % info.block_size:
-        raise ValueError(f"{n} weights is not a multiple of the {info.name} block of {info.block_size}")
+        raise ValueError(
+            f"{n} weights is not a multiple of the {info.name} block of {info.block_size}"
+        )
     return n // info.block_size * info.type_size
 
 
