@@ -128,10 +128,10 @@ GGML_TYPES: dict[GGMLType, TypeInfo] = {
         _t(GGMLType.Q8_0, 32, 2 + 32),  # d, qs[32]
         _t(GGMLType.Q8_1, 32, 2 + 2 + 32),  # d, s, qs[32]
         _t(GGMLType.Q2_K, QK_K, 2 + 2 + QK_K // 16 + QK_K // 4),  # d, dmin, scales, qs
-        _t(GGMLType.Q3_K, QK_K, 2 + QK_K // 4 + QK_K // 8 + 12),  # d, qs, hmask, scales
+        _t(GGMLType.Q3_K, QK_K, QK_K // 8 + QK_K // 4 + 12 + 2),  # hmask, qs, scales, d
         _t(GGMLType.Q4_K, QK_K, 2 + 2 + 12 + QK_K // 2),  # d, dmin, scales[12], qs
         _t(GGMLType.Q5_K, QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),  # d, dmin, sc, qh, qs
-        _t(GGMLType.Q6_K, QK_K, 2 + QK_K // 16 + 3 * QK_K // 4),  # ql, qh, scales, d
+        _t(GGMLType.Q6_K, QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),  # ql, qh, scales, d
         _t(GGMLType.Q8_K, QK_K, 4 + QK_K + QK_K // 16 * 2),  # d (f32), qs, bsums (i16)
         _t(GGMLType.IQ2_XXS, QK_K, 2 + QK_K // 8 * 2),
         _t(GGMLType.IQ2_XS, QK_K, 2 + QK_K // 8 * 2 + QK_K // 32),
