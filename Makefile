@@ -22,7 +22,7 @@ models: install
 
 run: install
 	$(BIN)/picollama-models pull
-	$(BIN)/picollama-gguf smollm2-135m-instruct-q4_1 --no-tensors
+	$(BIN)/picollama-cli -cnv -n 96 -p "Write a short poem about the sea." < /dev/null
 
 test: install-test models
 	$(BIN)/python -m pytest -q

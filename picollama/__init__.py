@@ -1,9 +1,18 @@
 """picollama: portable GGUF quantized LLM inference in Python.
 
-``import picollama`` needs only numpy and numba; GPU backends import their libraries only
-when they are asked for.
+``import picollama`` needs only numpy and numba and loads nothing heavy; ``picollama.Llama``
+(the llama-cpp-python style API) is imported on first use, and GPU backends import their
+libraries only when they are asked for.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "Llama"]
+
+
+def __getattr__(name: str):
+    if name == "Llama":
+        from picollama.api import Llama
+
+        return Llama
+    raise AttributeError(f"module 'picollama' has no attribute '{name}'")

@@ -203,6 +203,10 @@ class Backend(ABC):
         """``cap * tanh(x / cap)`` (final-logit softcapping)."""
 
     @abstractmethod
+    def concat(self, parts: list[Array]) -> Array:
+        """Stack 2-D activations by rows."""
+
+    @abstractmethod
     def take_rows(self, x: Array, rows: np.ndarray) -> Array:
         """Rows ``rows`` of a 2-D activation (keep only the tokens whose logits are wanted)."""
 

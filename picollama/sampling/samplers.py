@@ -180,9 +180,22 @@ class Sampler:
 
     Tokens the caller accepts (prompt and output) feed the penalty window through
     ``accept``.
+
+    ``grammar`` (optional, default: none) constrains the output: a
+    ``picollama.sampling.grammar.TokenConstraint`` (a matcher is made for this
+    generation) or a ``GrammarMatcher``. As llama.cpp's ``common_sampler_sample``, the
+    token drawn by the chain is checked first; only if the grammar rejects it are the
+    logits masked with the grammar's full mask and the chain run again. End-of-generation
+    tokens are allowed only where the grammar may end, and once it is complete they are
+    the only tokens allowed.
     """
 
-    def __init__(self, params: SamplingParams | None = None, n_vocab: int | None = None):
+    def __init__(
+        self,
+        params: SamplingParams | None = None,
+        n_vocab: int | None = None,
+        grammar=None,
+    ):
         self.params = params or SamplingParams()
         self.params.validate(n_vocab)
         seed = self.params.seed
@@ -191,13 +204,26 @@ class Sampler:
         self.seed = int(seed)
         self.rng = np.random.default_rng(self.seed)
         self.history: list[int] = []
+        self.grammar = None
+        if grammar is not None:
+            self.grammar = grammar if hasattr(grammar, "allows") else grammar.matcher()
+        self._sampled: int | None = None  # the last token sample() returned, not yet accepted
 
-    def accept(self, token: int) -> None:
+    def accept(self, token: int, accept_grammar: bool | None = None) -> None:
+        """Record ``token``; advance the grammar too when ``accept_grammar`` (default:
+        when ``token`` is the one ``sample`` just returned, so prompt tokens are not fed
+        to the grammar, as llama.cpp's ``accept_grammar=false`` for the prompt)."""
         self.history.append(int(token))
         n = self.params.repeat_last_n
         limit = 4096 if n == -1 else max(n, 0)
         if len(self.history) > 2 * max(limit, 64):
             self.history = self.history[-limit:] if limit else []
+        if self.grammar is not None:
+            if accept_grammar is None:
+                accept_grammar = self._sampled is not None and int(token) == self._sampled
+            self._sampled = None
+            if accept_grammar:
+                self.grammar.accept_token(int(token))
 
     def _window(self) -> list[int]:
         n = self.params.repeat_last_n
@@ -224,9 +250,40 @@ class Sampler:
         c = min_p(c, p.min_p, keep)
         return temperature(c, p.temperature)
 
-    def sample(self, logits: np.ndarray) -> int:
-        c = self.candidates(logits)
+    def _draw(self, c: Candidates) -> int:
         if len(c) == 1:
             return int(c.ids[0])
         probs = c.probs()
         return int(c.ids[self.rng.choice(len(probs), p=probs)])
+
+    def sample(self, logits: np.ndarray) -> int:
+        if self.grammar is None:
+            return self._draw(self.candidates(logits))
+        token = self._sample_constrained(logits)
+        self._sampled = token
+        return token
+
+    def _sample_constrained(self, logits: np.ndarray) -> int:
+        from picollama.sampling.grammar import GrammarError
+
+        g = self.grammar
+        eog = g.constraint.eog_ids
+        if g.is_complete():
+            if not len(eog):
+                raise GrammarError("the grammar is complete and the vocabulary has no end token")
+            row = np.asarray(logits, dtype=np.float32).reshape(-1)
+            return int(eog[np.argmax(row[eog])]) if len(row) > eog.max() else int(eog[0])
+        token = self._draw(self.candidates(logits))
+        if g.allows(token):
+            return token
+        # the drawn token is rejected: mask the logits and run the chain again
+        mask = g.allowed_mask()
+        if not mask.any():
+            raise GrammarError("no token of the vocabulary can continue the grammar here")
+        row = np.array(logits, dtype=np.float32).reshape(-1)
+        n = min(len(row), len(mask))
+        row[:n][~mask[:n]] = -np.inf
+        row[n:] = -np.inf
+        token = self._draw(self.candidates(row))
+        assert mask[token], "masked sampling returned a rejected token"
+        return token

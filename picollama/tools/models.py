@@ -1,9 +1,9 @@
 """picollama-models: list and fetch the built-in models.
 
-    picollama-models list
-    picollama-models pull smollm2-135m-instruct-q4_1
-    picollama-models pull --all
-    picollama-models path gemma3-270m-q4_k_m
+picollama-models list
+picollama-models pull smollm2-135m-instruct-q4_1
+picollama-models pull --all
+picollama-models path gemma3-270m-q4_k_m
 """
 
 from __future__ import annotations

@@ -110,8 +110,7 @@ def rope(
     return out
 
 
-@nb.njit(parallel=True, **_JIT)
-def _attention(q, k_cache, v_cache, start, scale, window, softcap, out):
+def _attention_impl(q, k_cache, v_cache, start, scale, window, softcap, out):
     n, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[1]
     head_dim_v = v_cache.shape[2]
@@ -154,6 +153,13 @@ def _attention(q, k_cache, v_cache, start, scale, window, softcap, out):
                 out[t, h * head_dim_v + d] += p * v_cache[j, kvh, d]
 
 
+# The same kernel compiled twice: a parallel region costs tens of microseconds to start,
+# more than a short decode-time attention takes, so small jobs run on one thread.
+_attention = nb.njit(parallel=True, **_JIT)(_attention_impl)
+_attention_serial = nb.njit(**_JIT)(_attention_impl)
+_PARALLEL_MIN_WORK = 1 << 16  # query-key dot products
+
+
 def attention(
     q: np.ndarray,
     k_cache: np.ndarray,
@@ -166,7 +172,9 @@ def attention(
     """Causal GQA attention of ``q`` (n_tokens, n_heads, head_dim) against the cache."""
     n, n_heads, _ = q.shape
     out = np.empty((n, n_heads * v_cache.shape[2]), np.float32)
-    _attention(
+    work = n * n_heads * (start + n) * q.shape[2]
+    kernel = _attention if work >= _PARALLEL_MIN_WORK else _attention_serial
+    kernel(
         np.ascontiguousarray(q, dtype=np.float32),
         k_cache,
         v_cache,

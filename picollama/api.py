@@ -1,0 +1,338 @@
+"""The Python API, in the manner of llama-cpp-python's ``Llama`` class.
+
+    from picollama import Llama
+    llm = Llama("smollm2-135m-instruct-q4_1", n_ctx=2048, seed=0)
+    out = llm.create_chat_completion([{"role": "user", "content": "Hi!"}], max_tokens=32)
+    print(out["choices"][0]["message"]["content"])
+
+Results are OpenAI-shaped dicts; ``stream=True`` gives an iterator of chunks instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+
+from picollama.generation import Context
+from picollama.sampling.samplers import DEFAULT_SEED, Sampler, SamplingParams
+from picollama.sampling.stop import StopStrings
+
+__all__ = ["Llama"]
+
+
+class Llama:
+    """A loaded GGUF model: completions, chat completions, tokenize and detokenize."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike | None = None,
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        backend: str = "cpu",
+        seed: int = DEFAULT_SEED,
+        chat_template: str | None = None,
+        verbose: bool = False,
+    ):
+        self.ctx = Context(
+            model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, backend=backend
+        )
+        self.model_path = str(self.ctx.path)
+        self.seed = seed
+        self.verbose = verbose
+        self._chat_template_name = chat_template
+        self._chat_template = None
+
+    # -- tokens -----------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.ctx.tokenizer
+
+    def n_ctx(self) -> int:
+        return self.ctx.n_ctx
+
+    def n_vocab(self) -> int:
+        return self.ctx.n_vocab
+
+    def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of ``text`` (llama-cpp-python's signature: ``special`` parses specials)."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        # add_bos=True adds BOS only where the model asks for one, as llama.cpp's add_special
+        return self.tokenizer.encode(
+            text, add_bos=None if add_bos else False, parse_special=special
+        )
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        return self.tokenizer.decode(list(tokens), skip_special=not special).encode("utf-8")
+
+    # -- completions ------------------------------------------------------------------------
+
+    def _sampler(self, grammar=None, **kw) -> Sampler:
+        seed = kw.pop("seed", None)
+        params = SamplingParams(seed=self.seed if seed is None else seed, **kw)
+        return Sampler(params, self.ctx.n_vocab, grammar=self._constraint(grammar))
+
+    def _constraint(self, grammar):
+        """``grammar`` (a ``LlamaGrammar`` or GBNF text) bound to this model's vocabulary."""
+        if grammar is None:
+            return None
+        from picollama.sampling.grammar import TokenVocab, grammar_from_request
+
+        return grammar_from_request(grammar=grammar).constraint(
+            TokenVocab.from_tokenizer(self.tokenizer)
+        )
+
+    def _stream_tokens(
+        self,
+        prompt_tokens: list[int],
+        max_tokens: int | None,
+        stop: Sequence[str] | str | None,
+        sampler: Sampler,
+    ) -> Iterator[tuple[str, str | None]]:
+        """Yield (text delta, finish_reason or None); the last item carries the reason."""
+        if max_tokens is None or max_tokens <= 0:
+            max_tokens = self.ctx.n_ctx - len(prompt_tokens)
+        decoder = self.tokenizer.detokenizer(skip_special=True)
+        stops = StopStrings(stop)
+        self._last_completion_tokens = 0
+        gen = self.ctx.generate(prompt_tokens, sampler, max_tokens)
+        for token in gen:
+            self._last_completion_tokens += 1
+            text = stops.push(decoder.push(token))
+            if stops.hit:
+                if text:
+                    yield text, None
+                gen.close()
+                yield "", "stop"
+                return
+            if text:
+                yield text, None
+        tail = stops.push(decoder.flush())
+        if stops.hit:
+            yield tail, "stop"
+            return
+        yield tail + stops.flush(), self.ctx.finish_reason
+
+    def create_completion(
+        self,
+        prompt: str | list[int],
+        max_tokens: int | None = 16,
+        temperature: float = 0.8,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        top_k: int = 40,
+        stop: Sequence[str] | str | None = None,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        seed: int | None = None,
+        logit_bias: dict[int, float] | None = None,
+        echo: bool = False,
+        stream: bool = False,
+        grammar=None,
+    ):
+        """A text completion (OpenAI ``text_completion`` shape)."""
+        if isinstance(prompt, str):
+            prompt_tokens = self.tokenizer.encode(prompt, parse_special=True)
+        else:
+            prompt_tokens = [int(t) for t in prompt]
+            prompt = self.tokenizer.decode(prompt_tokens)
+        sampler = self._sampler(
+            temperature=temperature,
+            top_p=top_p,
+            min_p=min_p,
+            typical_p=typical_p,
+            top_k=top_k,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            logit_bias=dict(logit_bias or {}),
+            grammar=grammar,
+        )
+        cid = f"cmpl-{uuid.uuid4()}"
+        created = int(time.time())
+        pieces = self._stream_tokens(prompt_tokens, max_tokens, stop, sampler)
+
+        def chunk(text: str, reason: str | None) -> dict:
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_path,
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": reason}],
+            }
+
+        def usage() -> dict:
+            n_out = self._last_completion_tokens
+            return {
+                "prompt_tokens": len(prompt_tokens),
+                "completion_tokens": n_out,
+                "total_tokens": len(prompt_tokens) + n_out,
+            }
+
+        if stream:
+
+            def chunks():
+                if echo:
+                    yield chunk(prompt, None)
+                for text, reason in pieces:
+                    yield chunk(text, reason)
+
+            return chunks()
+        text, reason = "", None
+        for delta, finish in pieces:
+            text, reason = text + delta, finish
+        out = chunk((prompt if echo else "") + text, reason)
+        out["usage"] = usage()
+        return out
+
+    __call__ = create_completion
+
+    # -- chat -------------------------------------------------------------------------------
+
+    @property
+    def chat_template(self):
+        if self._chat_template is None:
+            from picollama.tokenizer import ChatTemplate
+
+            self._chat_template = ChatTemplate.for_model(
+                self.ctx.reader.metadata, override_name=self._chat_template_name
+            )
+        return self._chat_template
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
+        return self.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """Tokens of a rendered chat, specials parsed; no second BOS if the text has one."""
+        tok = self.tokenizer
+        bos = tok.token_to_piece(tok.bos_id).decode("utf-8", "replace") if tok.bos_id >= 0 else ""
+        add_bos = False if bos and text.startswith(bos) else None
+        return tok.encode(text, add_bos=add_bos, parse_special=True)
+
+    def create_chat_completion(
+        self,
+        messages: list[dict],
+        max_tokens: int | None = None,
+        temperature: float = 0.8,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        typical_p: float = 1.0,
+        top_k: int = 40,
+        stop: Sequence[str] | str | None = None,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        seed: int | None = None,
+        logit_bias: dict[int, float] | None = None,
+        stream: bool = False,
+        grammar=None,
+        response_format: dict | None = None,
+    ):
+        """A chat completion (OpenAI ``chat.completion`` shape).
+
+        ``grammar`` (a ``LlamaGrammar`` or GBNF text) or ``response_format`` (OpenAI's
+        ``json_object`` / ``json_schema``) constrain the reply; one that cannot be built
+        raises ``GrammarError``."""
+        prompt_tokens = self.encode_chat_text(self.apply_chat_template(messages))
+        sampler = self._sampler(
+            temperature=temperature,
+            top_p=top_p,
+            min_p=min_p,
+            typical_p=typical_p,
+            top_k=top_k,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            logit_bias=dict(logit_bias or {}),
+            grammar=_request_grammar(grammar, response_format),
+        )
+        cid = f"chatcmpl-{uuid.uuid4()}"
+        created = int(time.time())
+        pieces = self._stream_tokens(prompt_tokens, max_tokens, stop, sampler)
+        if stream:
+
+            def chunks():
+                yield {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": self.model_path,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant"},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+                for delta, reason in pieces:
+                    yield {
+                        "id": cid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": self.model_path,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"content": delta} if delta else {},
+                                "logprobs": None,
+                                "finish_reason": reason,
+                            }
+                        ],
+                    }
+
+            return chunks()
+        content, reason = "", None
+        for delta, finish in pieces:
+            content, reason = content + delta, finish
+        n_out = self._last_completion_tokens
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.model_path,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "logprobs": None,
+                    "finish_reason": reason,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt_tokens),
+                "completion_tokens": n_out,
+                "total_tokens": len(prompt_tokens) + n_out,
+            },
+        }
+
+    def close(self) -> None:
+        self.ctx.close()
+
+    def __enter__(self) -> Llama:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _request_grammar(grammar, response_format):
+    if grammar is None and response_format is None:
+        return None
+    from picollama.sampling.grammar import grammar_from_request
+
+    return grammar_from_request(grammar=grammar, response_format=response_format)

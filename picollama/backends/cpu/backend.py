@@ -1,0 +1,127 @@
+"""The CPU backend: numpy arrays, Numba kernels, weights as zero-copy views into the mmap."""
+
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+
+from picollama.backends.base import Backend, BackendError, KVCache, Weight
+from picollama.backends.cpu import kernels, ops, qdot
+from picollama.gguf.constants import GGMLType, row_nbytes
+
+__all__ = ["CPUBackend"]
+
+
+class CPUBackend(Backend):
+    """The reference backend: what the GPU backends are checked against.
+
+    ``arithmetic`` picks the matmul: "ggml" (default) quantizes each activation row to the
+    weight type's dot type (Q8_0, Q8_1 or Q8_K) and sums integer products per block, as
+    llama.cpp's CPU backend does, so answers track llama.cpp's; "exact" dequantizes the
+    weights to float32 inside the dot product, the closer-to-exact reference.
+    """
+
+    name = "cpu"
+
+    def __init__(self, n_threads: int | None = None, arithmetic: str = "ggml"):
+        if arithmetic not in ("ggml", "exact"):
+            raise BackendError(f"unknown CPU arithmetic '{arithmetic}' (ggml or exact)")
+        self.arithmetic = arithmetic
+        if n_threads is None or n_threads <= 0:
+            n_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+            n_threads = n_threads or os.cpu_count() or 1
+        self.n_threads = min(int(n_threads), numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(self.n_threads)
+        self._weight_bytes = 0
+        self._kv_bytes = 0
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def weight(self, name: str, ggml_type: GGMLType, shape: tuple[int, ...], data) -> Weight:
+        if not kernels.supports(ggml_type):
+            raise BackendError(
+                f"tensor '{name}': type {GGMLType(ggml_type).name} is not supported by the "
+                "CPU backend"
+            )
+        k = shape[0]
+        m = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        rows = data.reshape(m, row_nbytes(ggml_type, k))
+        self._weight_bytes += rows.nbytes
+        return Weight(name, GGMLType(ggml_type), tuple(shape), rows)
+
+    def from_host(self, a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a)
+
+    def to_host(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def new_kv_cache(
+        self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim_k: int, head_dim_v: int
+    ) -> KVCache:
+        cache = KVCache(n_ctx, n_kv_heads, head_dim_k, head_dim_v)
+        for _ in range(n_layers):
+            cache.k.append(np.zeros((n_ctx, n_kv_heads, head_dim_k), np.float32))
+            cache.v.append(np.zeros((n_ctx, n_kv_heads, head_dim_v), np.float32))
+        self._kv_bytes += sum(a.nbytes for a in cache.k) + sum(a.nbytes for a in cache.v)
+        return cache
+
+    def memory_report(self) -> dict[str, int]:
+        return {"weights": self._weight_bytes, "kv_cache": self._kv_bytes}
+
+    def supports(self, op: str, ggml_type: GGMLType | None = None) -> bool:
+        if ggml_type is not None:
+            return op in ("matmul", "get_rows", "weight") and kernels.supports(ggml_type)
+        return callable(getattr(self, op, None))
+
+    # -- compute --------------------------------------------------------------------------
+
+    def matmul(self, x: np.ndarray, w: Weight) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if self.arithmetic == "ggml" and qdot.supports(w.type):
+            return qdot.matmul_q8(x, w.data, w.type, w.k)
+        return kernels.matmul(x, w.data, w.type, w.k)
+
+    def get_rows(self, w: Weight, ids: np.ndarray) -> np.ndarray:
+        return kernels.get_rows(w.data, np.asarray(ids, dtype=np.int64), w.type, w.k)
+
+    def rms_norm(self, x, weight, eps):
+        return ops.rms_norm(x, weight, eps)
+
+    def rope(self, x, positions, n_rot, freq_base, freq_scale=1.0, neox=False):
+        return ops.rope(x, positions, n_rot, freq_base, freq_scale, neox)
+
+    def store_kv(self, cache: KVCache, layer: int, k, v, start: int) -> None:
+        n = k.shape[0]
+        if start + n > cache.n_ctx:
+            raise BackendError(f"KV cache of {cache.n_ctx} positions overflows at {start + n}")
+        cache.k[layer][start : start + n] = k
+        cache.v[layer][start : start + n] = v
+
+    def attention(self, q, cache, layer, start, scale, window=0, softcap=0.0):
+        return ops.attention(q, cache.k[layer], cache.v[layer], start, scale, window, softcap)
+
+    def silu_mul(self, gate, up):
+        return ops.silu_mul(gate, up)
+
+    def gelu_mul(self, gate, up):
+        return ops.gelu_mul(gate, up)
+
+    def add(self, a, b):
+        return np.add(a, b, dtype=np.float32)
+
+    def mul(self, a, b):
+        return np.multiply(a, b, dtype=np.float32)
+
+    def scale(self, x, s):
+        return np.multiply(x, np.float32(s), dtype=np.float32)
+
+    def softcap(self, x, cap):
+        return ops.softcap(x, cap)
+
+    def concat(self, parts):
+        return np.concatenate(parts, axis=0)
+
+    def take_rows(self, x, rows):
+        return np.ascontiguousarray(x[np.asarray(rows)])

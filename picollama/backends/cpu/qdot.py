@@ -1,0 +1,271 @@
+"""Quantized matmul with llama.cpp's CPU arithmetic: int8 activations, integer block dots.
+
+``matmul_q8(x, w, qtype, k)`` returns ``x @ W.T`` for float32 ``x`` (n, k) and the raw
+ggml weight bytes ``w`` (m, row_bytes) of type ``qtype``, computed as ggml-cpu's
+``ggml_compute_forward_mul_mat`` computes it:
+
+1. each row of x is converted once to the weight type's ``vec_dot_type`` (``qdot_act``:
+   Q8_0, Q8_1, Q8_K, F16, BF16 or F32, bit for bit as the peer's AVX2 build);
+2. each output is the type's ``ggml_vec_dot_<wtype>_<vtype>``: per block (32 weights) or
+   super-block (256), an exact integer dot of weight quants and activation quants, then
+   float32 scaling and accumulation: Q8_0 family ``sum += (dw * dx) * isum``; Q8_1 family
+   ``sum += (dw * dx) * isum + mw * sx``; Q8_K family
+   ``sum += (dw * dx) * isum - (dminw * dx) * sum_g(min_g * bsum_g)``; float types
+   ``sum += w_j * x_j``.
+
+Numerics. The integer parts are exact, as in ggml. The float accumulation inside a row
+runs in float32 in another order than the peer's SIMD lanes (LLVM may split and fuse it;
+the kernels are compiled with fast-math), so an output differs from ggml's by float32
+rounding only: at most a few ``2**-24 * n_blocks * sum |terms|``, about 1e-7 relative.
+Three spots differ in the order of float32 products rather than sums (same bound): Q4_0
+generic writes ``isum * dx * dy`` where AVX2 and we use ``(dx * dy) * isum``; IQ4_XS folds
+its sub-block scale ``ls - 32`` into the integer sum instead of into a float scale; F16 and
+BF16 dots sum in float32 lanes where ggml adds the tail in double.
+
+Layout of the work: each Numba task owns a range of weight rows; a row is unpacked once
+(``qdot_unpack``) into int16 quants and block scales that stay in L1, and then dotted with
+every row of x in tiles of ``TILE_ROWS`` (so a tile of quantized x stays in L2 while all the
+task's weight rows pass over it). Threads: the caller sets ``numba.set_num_threads``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from picollama.backends.cpu import qdot_unpack as U
+from picollama.backends.cpu.intrinsics import f32_from_bits, load_f16, load_u16, load_u32, opaque
+from picollama.backends.cpu.qdot_act import VEC_DOT_TYPE, quantize_rows
+from picollama.gguf.constants import GGML_TYPES, QK_K, GGMLType
+
+__all__ = ["SUPPORTED_TYPES", "supports", "matmul_q8", "vec_dot_type"]
+
+# Rows of x dotted with one unpacked weight row before the next weight row is unpacked.
+TILE_ROWS = 64
+
+_FAM_Q8_0, _FAM_Q8_1, _FAM_Q8_K = 0, 1, 2
+
+# weight type: (row unpacker, family, block length)
+_QUANT = {
+    GGMLType.Q4_0: (U.unpack_q4_0, _FAM_Q8_0, 32),
+    GGMLType.Q5_0: (U.unpack_q5_0, _FAM_Q8_0, 32),
+    GGMLType.Q8_0: (U.unpack_q8_0, _FAM_Q8_0, 32),
+    GGMLType.IQ4_NL: (U.unpack_iq4_nl, _FAM_Q8_0, 32),
+    GGMLType.Q4_1: (U.unpack_q4_1, _FAM_Q8_1, 32),
+    GGMLType.Q5_1: (U.unpack_q5_1, _FAM_Q8_1, 32),
+    GGMLType.Q2_K: (U.unpack_q2_k, _FAM_Q8_K, QK_K),
+    GGMLType.Q3_K: (U.unpack_q3_k, _FAM_Q8_K, QK_K),
+    GGMLType.Q4_K: (U.unpack_q4_k, _FAM_Q8_K, QK_K),
+    GGMLType.Q5_K: (U.unpack_q5_k, _FAM_Q8_K, QK_K),
+    GGMLType.Q6_K: (U.unpack_q6_k, _FAM_Q8_K, QK_K),
+    GGMLType.IQ4_XS: (U.unpack_iq4_xs, _FAM_Q8_K, QK_K),
+}
+_FLOAT = (GGMLType.F16, GGMLType.BF16, GGMLType.F32)
+
+SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(_QUANT) | frozenset(_FLOAT)
+
+
+def supports(qtype) -> bool:
+    """Whether ``matmul_q8`` takes weights of ggml type ``qtype``."""
+    try:
+        return GGMLType(qtype) in SUPPORTED_TYPES
+    except ValueError:
+        return False
+
+
+def vec_dot_type(qtype) -> GGMLType:
+    """The type ggml-cpu converts activations to before multiplying weights of ``qtype``."""
+    return VEC_DOT_TYPE[GGMLType(qtype)]
+
+
+# ---- kernels ----
+
+
+@njit(inline="always")
+def _isum(wq, xq, e0, length):
+    """Exact sum of wq[e0 + j] * xq[i, e0 + j] over ``length`` (32 or 256) elements."""
+    s = 0
+    for j in range(min(opaque(length), length)):
+        s += wq[e0 + j] * xq[e0 + j]
+    return s
+
+
+def unpack_row(qtype, w, r, n_blocks, wq, wd, wm, wmin):
+    """The type's ``qdot_unpack.unpack_*`` (compiled code only, ``qtype`` a literal)."""
+    raise NotImplementedError("unpack_row is only callable from Numba-compiled code")
+
+
+@overload(unpack_row)
+def _unpack_row_overload(qtype, w, r, n_blocks, wq, wd, wm, wmin):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    unpack = _QUANT[GGMLType(qtype.literal_value)][0]
+
+    def impl(qtype, w, r, n_blocks, wq, wd, wm, wmin):
+        unpack(w, r, n_blocks, wq, wd, wm, wmin)
+
+    return impl
+
+
+@functools.cache
+def _quant_rows(qtype: int):
+    """One type's serial row kernel.
+
+    The closure captures only integers (its type, family and block), so Numba's disk cache
+    finds it again in a later process."""
+    _, fam, block = _QUANT[GGMLType(qtype)]
+    qtype = int(qtype)
+
+    @njit(cache=True, fastmath=True)
+    def rows(xq, xd, xs, bsums, w, out, k, r_lo, r_hi):
+        """Rows r_lo..r_hi of out: serial code (LLVM vectorizes it better outside a parfor)."""
+        n = xq.shape[0]
+        n_blocks = k // block
+        wq = np.empty(k, np.int16)
+        wd = np.empty(n_blocks, np.float32)
+        wm = np.zeros(n_blocks, np.float32)
+        wmin = np.zeros(k // 16, np.int32)
+        isums = np.empty(n_blocks, np.int32)
+        for i0 in range(0, n, TILE_ROWS):
+            i1 = min(n, i0 + TILE_ROWS)
+            for r in range(r_lo, r_hi):
+                unpack_row(qtype, w, r, n_blocks, wq, wd, wm, wmin)
+                for i in range(i0, i1):
+                    xrow = xq[i]
+                    # integer block dots first, then one vectorizable float loop over blocks
+                    for b in range(n_blocks):
+                        isums[b] = _isum(wq, xrow, b * block, block)
+                    dx = xd[i]
+                    acc = np.float32(0.0)
+                    if fam == _FAM_Q8_0:
+                        for b in range(n_blocks):
+                            acc += (wd[b] * dx[b]) * np.float32(isums[b])
+                    elif fam == _FAM_Q8_1:
+                        sx = xs[i]
+                        for b in range(n_blocks):
+                            acc += (wd[b] * dx[b]) * np.float32(isums[b]) + wm[b] * sx[b]
+                    else:
+                        for b in range(n_blocks):
+                            summs = 0
+                            for g in range(16):
+                                summs += wmin[b * 16 + g] * bsums[i, b * 16 + g]
+                            dmin = wm[b] * dx[b]
+                            acc += (wd[b] * dx[b]) * np.float32(isums[b]) - dmin * np.float32(summs)
+                    out[i, r] = acc
+
+    return rows
+
+
+def quant_rows(qtype, xq, xd, xs, bsums, w, out, k, r_lo, r_hi):
+    """The type's serial row kernel (compiled code only, ``qtype`` a literal)."""
+    raise NotImplementedError("quant_rows is only callable from Numba-compiled code")
+
+
+@overload(quant_rows)
+def _quant_rows_overload(qtype, xq, xd, xs, bsums, w, out, k, r_lo, r_hi):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    rows = _quant_rows(qtype.literal_value)
+
+    def impl(qtype, xq, xd, xs, bsums, w, out, k, r_lo, r_hi):
+        rows(xq, xd, xs, bsums, w, out, k, r_lo, r_hi)
+
+    return impl
+
+
+@functools.cache
+def _quant_kernel(qtype: int):
+    """The parallel kernel of one type (captures only the type id, so it is disk-cached)."""
+    qtype = int(qtype)
+
+    @njit(cache=True, parallel=True)
+    def kernel(xq, xd, xs, bsums, w, out, k, n_tasks):
+        m = w.shape[0]
+        for t in prange(n_tasks):
+            r_lo = t * m // n_tasks
+            r_hi = (t + 1) * m // n_tasks
+            quant_rows(qtype, xq, xd, xs, bsums, w, out, k, r_lo, r_hi)
+
+    return kernel
+
+
+@functools.cache
+def _float_kernel(qtype: int):
+    is_f32 = qtype == GGMLType.F32
+    is_f16 = qtype == GGMLType.F16
+
+    @njit(cache=True, fastmath=True)
+    def rows(xf, w, out, k, r_lo, r_hi):
+        n = xf.shape[0]
+        wf = np.empty(k, np.float32)
+        for i0 in range(0, n, TILE_ROWS):
+            i1 = min(n, i0 + TILE_ROWS)
+            for r in range(r_lo, r_hi):
+                for j in range(k):
+                    if is_f32:
+                        wf[j] = f32_from_bits(load_u32(w, r, 4 * j))
+                    elif is_f16:
+                        wf[j] = load_f16(w, r, 2 * j)  # vcvtph2ps: exact for finite values
+                    else:
+                        wf[j] = f32_from_bits(np.uint32(load_u16(w, r, 2 * j)) << 16)
+                for i in range(i0, i1):
+                    xrow = xf[i]
+                    acc = np.float32(0.0)
+                    for j in range(k):
+                        acc += wf[j] * xrow[j]
+                    out[i, r] = acc
+
+    @njit(cache=True, parallel=True)
+    def kernel(xf, w, out, k, n_tasks):
+        m = w.shape[0]
+        for t in prange(n_tasks):
+            rows(xf, w, out, k, t * m // n_tasks, (t + 1) * m // n_tasks)
+
+    return kernel
+
+
+# ---- public API ----
+
+
+def _n_tasks(m: int) -> int:
+    threads = numba.get_num_threads()
+    return max(1, min(m, 4 * threads))
+
+
+def matmul_q8(x: np.ndarray, w: np.ndarray, qtype, k: int) -> np.ndarray:
+    """``x @ W.T`` as llama.cpp's CPU backend computes it; float32 (n, m).
+
+    ``x``: float32 (n, k); ``w``: raw weight bytes uint8 (m, row_bytes) of ggml type
+    ``qtype`` (read, never written or copied).
+    """
+    if not supports(qtype):
+        raise ValueError(f"matmul_q8 does not support ggml type {qtype!r}")
+    qtype = GGMLType(qtype)
+    info = GGML_TYPES[qtype]
+    if k <= 0 or k % info.block_size:
+        raise ValueError(f"k={k} is not a positive multiple of the {info.name} block")
+    row_bytes = k // info.block_size * info.type_size
+    if w.dtype != np.uint8 or w.ndim != 2 or w.shape[1] != row_bytes:
+        raise ValueError(
+            f"{info.name} weights with k={k} must be uint8 (m, {row_bytes}); "
+            f"got {w.dtype} {w.shape}"
+        )
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be (n, {k}); got {x.shape}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    wv = w.view()
+    wv.flags.writeable = False  # one compiled kernel for every caller; nothing writes the map
+    n, m = x.shape[0], w.shape[0]
+    out = np.empty((n, m), np.float32)
+    if n == 0 or m == 0:
+        return out
+    q = quantize_rows(x, VEC_DOT_TYPE[qtype])
+    if qtype in _FLOAT:
+        _float_kernel(int(qtype))(q.qs, wv, out, k, _n_tasks(m))
+    else:
+        _quant_kernel(int(qtype))(q.qs, q.d, q.s, q.bsums, wv, out, k, _n_tasks(m))
+    return out

@@ -1,0 +1,194 @@
+"""What every architecture file shares: the load-time checks and the model protocol.
+
+An architecture module defines a ``ModelArgs`` dataclass built from GGUF metadata and a
+``Model`` class whose ``forward`` is written only against the backend op interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from picollama.backends.base import Backend, BackendError, KVCache, Weight
+from picollama.gguf import GGUFError, GGUFReader
+from picollama.gguf.constants import GGMLType
+
+__all__ = ["ModelLoadError", "CommonArgs", "WeightLoader", "Segment", "Batch", "BaseModel"]
+
+
+class ModelLoadError(ValueError):
+    """A model file whose metadata or tensors don't make a model we can run."""
+
+
+@dataclass
+class CommonArgs:
+    """Hyper-parameters the generation loop needs from any architecture."""
+
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    n_ctx_train: int
+
+
+class WeightLoader:
+    """Takes tensors from a reader into a backend, checking each shape against metadata."""
+
+    def __init__(self, reader: GGUFReader, backend: Backend):
+        self.reader = reader
+        self.backend = backend
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.reader
+
+    def weight(self, name: str, shape: tuple[int, ...]) -> Weight:
+        """A quantized weight of GGUF shape ``shape`` (``shape[0]`` inputs per row)."""
+        info = self._info(name, shape)
+        try:
+            return self.backend.weight(info.name, info.type, info.shape, info.data)
+        except BackendError as err:
+            raise ModelLoadError(str(err)) from None
+
+    def vector(self, name: str, n: int):
+        """A 1-D float tensor (a norm weight), as a backend float32 array."""
+        info = self._info(name, (n,))
+        if info.type not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+            raise ModelLoadError(f"tensor '{name}': expected a float type, got {info.type.name}")
+        from picollama.quant import dequantize
+
+        host = dequantize(info.data, info.type).astype(np.float32, copy=False)
+        return self.backend.from_host(host)
+
+    def _info(self, name: str, shape: tuple[int, ...]):
+        if name not in self.reader:
+            raise ModelLoadError(f"tensor '{name}' is missing from the model file")
+        info = self.reader.tensor(name)
+        # GGUF may drop trailing dims of size 1; compare without them
+        got = tuple(info.shape)
+        want = tuple(shape)
+        while len(got) > 1 and got[-1] == 1:
+            got = got[:-1]
+        while len(want) > 1 and want[-1] == 1:
+            want = want[:-1]
+        if got != want:
+            raise ModelLoadError(
+                f"tensor '{name}' has shape {list(info.shape)}, but the metadata implies "
+                f"{list(shape)}"
+            )
+        self.used.add(name)
+        return info
+
+
+def meta_int(reader: GGUFReader, key: str, default: int | None = None) -> int:
+    try:
+        value = reader.get_int(key) if default is None else reader.get_int(key, default)
+    except GGUFError as err:
+        raise ModelLoadError(str(err)) from None
+    if value < 0:
+        raise ModelLoadError(f"metadata '{key}' is negative ({value})")
+    return value
+
+
+def meta_float(reader: GGUFReader, key: str, default: float) -> float:
+    try:
+        return float(reader.get_float(key, default))
+    except GGUFError as err:
+        raise ModelLoadError(str(err)) from None
+
+
+@dataclass
+class Segment:
+    """Tokens of one sequence at positions ``start ..`` in its own KV cache.
+
+    ``logit_rows`` picks the tokens (indices within the segment) whose logits are wanted;
+    None means the last one.
+    """
+
+    tokens: np.ndarray
+    start: int
+    cache: KVCache
+    logit_rows: np.ndarray | None = None
+
+
+@dataclass
+class Batch:
+    """Several sequences' tokens run through one forward pass (continuous batching).
+
+    Row-wise work (matmuls, norms, RoPE, activations) runs once over all rows; only the KV
+    cache writes and attention go segment by segment.
+    """
+
+    segments: list[Segment]
+    tokens: np.ndarray = field(init=False)
+    positions: np.ndarray = field(init=False)
+    bounds: list[tuple[int, int]] = field(init=False)
+    logit_rows: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.bounds, rows, offset = [], [], 0
+        for seg in self.segments:
+            n = len(seg.tokens)
+            self.bounds.append((offset, offset + n))
+            local = np.array([n - 1]) if seg.logit_rows is None else np.asarray(seg.logit_rows)
+            rows.append(local + offset)
+            offset += n
+        self.tokens = np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in self.segments])
+        self.positions = np.concatenate(
+            [np.arange(s.start, s.start + len(s.tokens), dtype=np.int64) for s in self.segments]
+        )
+        self.logit_rows = np.concatenate(rows)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def attend(
+        self, be: Backend, layer: int, q, k, v, scale: float, window: int = 0, softcap: float = 0.0
+    ):
+        """Store each segment's k/v in its cache and attend within it; rows concatenated."""
+        parts = []
+        for seg, (a, b) in zip(self.segments, self.bounds, strict=True):
+            be.store_kv(seg.cache, layer, k[a:b], v[a:b], seg.start)
+            parts.append(be.attention(q[a:b], seg.cache, layer, seg.start, scale, window, softcap))
+        return parts[0] if len(parts) == 1 else be.concat(parts)
+
+    def split(self, logits: np.ndarray) -> list[np.ndarray]:
+        """The host logits of ``logit_rows``, one array per segment."""
+        out, at = [], 0
+        for seg in self.segments:
+            n = 1 if seg.logit_rows is None else len(seg.logit_rows)
+            out.append(logits[at : at + n])
+            at += n
+        return out
+
+
+class BaseModel:
+    """The protocol the generation loop drives (subclasses implement ``forward``)."""
+
+    args: CommonArgs
+    backend: Backend
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        a = self.args
+        return self.backend.new_kv_cache(
+            a.n_layers, n_ctx, a.n_kv_heads, a.head_dim_k, a.head_dim_v
+        )
+
+    def forward(
+        self, tokens: np.ndarray, start: int, cache: KVCache, logit_rows: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Run ``tokens`` at positions ``start ..``; return logits for ``logit_rows``.
+
+        ``logit_rows`` selects which of the batch's tokens get logits (default: the last);
+        the result is a host float32 array (len(logit_rows), n_vocab).
+        """
+        return self.forward_batch([Segment(np.asarray(tokens), start, cache, logit_rows)])[0]
+
+    def forward_batch(self, segments: list[Segment]) -> list[np.ndarray]:
+        """Run several sequences in one pass; host logits per segment."""
+        raise NotImplementedError

@@ -1,0 +1,177 @@
+"""picollama-bench: llama-bench's pp/tg figures, optionally beside llama-bench in the same run.
+
+    picollama-bench -m MODEL [-p 512] [-n 128] [-r 5] [-t 2] [--vs-llama-cpp BIN_DIR]
+
+pp<N>: tokens/s of one prompt batch of N tokens from an empty cache. tg<N>: tokens/s of N
+tokens decoded one at a time from an empty cache. Each figure is the mean ± standard
+deviation over -r repetitions after one warm-up run. Decode reads every weight once per
+token, so the table also shows the memory-bandwidth ceiling (a large numpy copy's rate
+divided by the bytes read per token) and how close tg gets to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["main", "measure_bandwidth"]
+
+
+def measure_bandwidth(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Bytes/s of a large array copy (read + write), the best of ``repeats``."""
+    src = np.ones(n_bytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n_bytes / best
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _run_pp(ctx, n: int, rng) -> float:
+    tokens = rng.integers(0, ctx.n_vocab, size=n).tolist()
+    ctx.reset()
+    t0 = time.perf_counter()
+    ctx.eval(tokens)
+    return n / (time.perf_counter() - t0)
+
+
+def _run_tg(ctx, n: int, rng) -> float:
+    tokens = rng.integers(0, ctx.n_vocab, size=n).tolist()
+    ctx.reset()
+    t0 = time.perf_counter()
+    for tok in tokens:
+        ctx.eval([tok])
+    return n / (time.perf_counter() - t0)
+
+
+def _llama_bench(bin_dir: str, model: str, threads: int, pp: int, tg: int, reps: int) -> dict:
+    exe = os.path.join(bin_dir, "llama-bench")
+    cmd = [exe, "-m", model, "-t", str(threads), "-r", str(reps), "-o", "json"]
+    cmd += ["-p", str(pp), "-n", str(tg)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {proc.stderr.strip()[-400:]}")
+    results = {}
+    for row in json.loads(proc.stdout):
+        name = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+        results[name] = (row["avg_ts"], row["stddev_ts"])
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="picollama-bench", description=__doc__.split("\n")[0])
+    p.add_argument("-m", "--model", default=None, help="GGUF file or built-in model name")
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (0: skip)")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (0: skip)")
+    p.add_argument("-r", "--repetitions", type=int, default=5)
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("-b", "--batch-size", type=int, default=512)
+    p.add_argument("--backend", default="cpu")
+    p.add_argument(
+        "--vs-llama-cpp",
+        metavar="BIN_DIR",
+        default=None,
+        help="also run llama-bench from this folder and print the ratios",
+    )
+    args = p.parse_args(argv)
+
+    from picollama.errors import USER_ERRORS
+    from picollama.generation import Context
+
+    try:
+        n_ctx = max(args.n_prompt, args.n_gen, 1)
+        ctx = Context(
+            args.model,
+            n_ctx=n_ctx,
+            n_batch=args.batch_size,
+            n_threads=args.threads,
+            backend=args.backend,
+        )
+    except USER_ERRORS as err:
+        print(f"picollama-bench: error: {err}", file=sys.stderr)
+        return 1
+    threads = getattr(ctx.backend, "n_threads", args.threads or 0)
+    reader = ctx.reader
+    weight_bytes = sum(t.nbytes for t in reader.tensors)
+    n_params = sum(t.n_elements for t in reader.tensors)
+    types = {}
+    for t in reader.tensors:
+        types[t.type.name] = types.get(t.type.name, 0) + t.nbytes
+    main_type = max(types, key=types.get)
+    model_desc = f"{ctx.model.args.arch} {n_params / 1e6:.0f}M {main_type}"
+    rng = np.random.default_rng(0)
+
+    tests = []
+    if args.n_prompt > 0:
+        tests.append((f"pp{args.n_prompt}", _run_pp, args.n_prompt))
+    if args.n_gen > 0:
+        tests.append((f"tg{args.n_gen}", _run_tg, args.n_gen))
+    ours = {}
+    for name, fn, n in tests:
+        fn(ctx, min(n, 16), rng)  # warm-up: compiles and touches the weights
+        runs = [fn(ctx, n, rng) for _ in range(max(args.repetitions, 1))]
+        ours[name] = (statistics.mean(runs), statistics.stdev(runs) if len(runs) > 1 else 0.0)
+
+    theirs = {}
+    if args.vs_llama_cpp:
+        try:
+            theirs = _llama_bench(
+                args.vs_llama_cpp,
+                str(ctx.path),
+                threads,
+                args.n_prompt,
+                args.n_gen,
+                args.repetitions,
+            )
+        except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as err:
+            print(f"picollama-bench: llama-bench did not run: {err}", file=sys.stderr)
+
+    bandwidth = measure_bandwidth()
+    # a decode step reads every weight once (the KV cache is small next to it here)
+    ceiling = bandwidth / weight_bytes
+    header = "| model | size | params | backend | threads | test | t/s |"
+    sep = "| --- | ---: | ---: | --- | ---: | --- | ---: |"
+    if theirs:
+        header += " llama.cpp t/s | ratio |"
+        sep += " ---: | ---: |"
+    print(header)
+    print(sep)
+    for name, (mean, std) in ours.items():
+        row = (
+            f"| {model_desc} | {_fmt_size(weight_bytes)} | {n_params / 1e6:.2f} M | "
+            f"{args.backend.upper()} | {threads} | {name} | {mean:.2f} ± {std:.2f} |"
+        )
+        if theirs:
+            if name in theirs:
+                lm, ls = theirs[name]
+                row += f" {lm:.2f} ± {ls:.2f} | {mean / lm:.2f}x |"
+            else:
+                row += " - | - |"
+        print(row)
+    print(
+        f"\nmemory bandwidth {bandwidth / 1e9:.1f} GB/s (numpy copy); decode ceiling "
+        f"{ceiling:.1f} tokens/s for {_fmt_size(weight_bytes)} of weights",
+        end="",
+    )
+    tg = [v for k, v in ours.items() if k.startswith("tg")]
+    if tg:
+        print(f"; tg reaches {tg[0][0] / ceiling:.0%} of it", end="")
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""picollama-cli: completion or chat with a GGUF model, with llama.cpp's flags and defaults.
+
+    picollama-cli -m MODEL -p "Once upon a time" -n 64        # completion
+    picollama-cli -m MODEL -cnv                               # interactive chat
+    picollama-cli                                             # chat with the default model
+
+With a prompt (-p/-f) and no -cnv it completes the prompt and exits, like llama-completion.
+Without a prompt, or with -cnv, it chats: the model's chat template frames each turn, tokens
+stream as they come, Ctrl-C stops the current answer and Ctrl-D (or /exit) ends the chat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+
+from picollama.sampling.samplers import DEFAULT_SEED, Sampler, SamplingParams
+
+__all__ = ["main", "build_parser", "sampling_params"]
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    d = SamplingParams()
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temp", type=float, default=d.temperature, help="temperature (0: greedy)")
+    g.add_argument("--top-k", type=int, default=d.top_k)
+    g.add_argument("--top-p", type=float, default=d.top_p)
+    g.add_argument("--min-p", type=float, default=d.min_p)
+    g.add_argument("--typical", type=float, default=d.typical_p, help="locally typical p")
+    g.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty)
+    g.add_argument("--repeat-last-n", type=int, default=d.repeat_last_n)
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    g.add_argument("-s", "--seed", type=int, default=DEFAULT_SEED, help="RNG seed (-1: random)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags every tool that loads a model shares (-m, -c, -b, -t, --backend)."""
+    p.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="GGUF file or built-in model name (default: the default model)",
+    )
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=4096,
+        help="context size in tokens (0: the model's training context)",
+    )
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt batch size")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
+    p.add_argument("--backend", default="cpu", help="cpu, cuda or opencl")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="picollama-cli", description=__doc__.split("\n")[0])
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", default=None, help="prompt text")
+    p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
+    p.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        default=-1,
+        help="tokens to generate (-1: until end of generation or the context)",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="don't stop at end-of-generation")
+    p.add_argument(
+        "-r",
+        "--reverse-prompt",
+        action="append",
+        default=[],
+        help="stop when this text is generated (repeatable)",
+    )
+    p.add_argument("--no-display-prompt", action="store_true", help="don't echo the prompt")
+    p.add_argument("-sys", "--system-prompt", default=None, help="system message for chat")
+    p.add_argument("--chat-template", default=None, help="built-in template name to use")
+    cnv = p.add_mutually_exclusive_group()
+    cnv.add_argument(
+        "-cnv",
+        "--conversation",
+        action="store_true",
+        default=None,
+        help="chat mode (default when no prompt is given)",
+    )
+    cnv.add_argument(
+        "-no-cnv",
+        "--no-conversation",
+        dest="conversation",
+        action="store_false",
+        help="completion mode",
+    )
+    p.add_argument("--verbose-timings", action="store_true", help="print timings after each turn")
+    _add_sampling_args(p)
+    return p
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        typical_p=args.typical,
+        repeat_penalty=args.repeat_penalty,
+        repeat_last_n=args.repeat_last_n,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
+
+
+class _Interrupt:
+    """Ctrl-C while generating sets a flag (the answer stops); at the prompt it exits."""
+
+    def __init__(self):
+        self.generating = False
+        self.stop = threading.Event()
+
+    def __call__(self, signum, frame):
+        if self.generating:
+            self.stop.set()
+        else:
+            raise KeyboardInterrupt
+
+
+def _stream(llm, prompt_tokens, args, sampler, interrupt: _Interrupt, out) -> str:
+    """Generate after ``prompt_tokens``, printing text as it comes; returns the text."""
+    from picollama.sampling.stop import StopStrings
+
+    ctx = llm.ctx
+    decoder = llm.tokenizer.detokenizer(skip_special=True)
+    stops = StopStrings(args.reverse_prompt)
+    max_tokens = args.n_predict if args.n_predict >= 0 else -1
+    if max_tokens > 0:
+        max_tokens = min(max_tokens, ctx.n_ctx - len(prompt_tokens))
+    text = []
+    interrupt.stop.clear()
+    interrupt.generating = True
+    try:
+        gen = ctx.generate(prompt_tokens, sampler, max_tokens, ignore_eos=args.ignore_eos)
+        for token in gen:
+            piece = stops.push(decoder.push(token))
+            out.write(piece)
+            out.flush()
+            text.append(piece)
+            if stops.hit or interrupt.stop.is_set():
+                gen.close()
+                break
+        if not stops.hit:
+            tail = stops.push(decoder.flush()) + stops.flush()
+            out.write(tail)
+            text.append(tail)
+        out.flush()
+    finally:
+        interrupt.generating = False
+    return "".join(text)
+
+
+def _timings(llm, t_start: float) -> None:
+    t = llm.ctx.timings
+    print(
+        f"\nllama_perf: load time = {t.load_ms:.2f} ms\n"
+        f"llama_perf: prompt eval time = {t.prompt_ms:.2f} ms / {t.prompt_tokens} tokens "
+        f"({t.prompt_per_second:.2f} tokens per second)\n"
+        f"llama_perf: eval time = {t.predicted_ms:.2f} ms / {t.predicted_tokens} runs "
+        f"({t.predicted_per_second:.2f} tokens per second)\n"
+        f"llama_perf: total time = {(time.perf_counter() - t_start) * 1000:.2f} ms",
+        file=sys.stderr,
+    )
+
+
+def _chat(llm, args, first_message: str | None, interrupt: _Interrupt) -> None:
+    messages = []
+    if args.system_prompt:
+        messages.append({"role": "system", "content": args.system_prompt})
+    sampler = Sampler(sampling_params(args), llm.ctx.n_vocab)
+    pending = first_message
+    print("== chat mode: Ctrl-C stops an answer, Ctrl-D or /exit ends the chat ==", file=sys.stderr)
+    while True:
+        if pending is None:
+            try:
+                line = input("\n> ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return
+            if line.strip() in ("/exit", "/quit"):
+                return
+            if not line.strip():
+                continue
+            pending = line
+        else:
+            print(f"> {pending}")
+        messages.append({"role": "user", "content": pending})
+        pending = None
+        text = llm.apply_chat_template(messages)
+        prompt = llm.encode_chat_text(text)
+        if len(prompt) >= llm.ctx.n_ctx:
+            print(
+                f"\nerror: the conversation ({len(prompt)} tokens) no longer fits the context "
+                f"of {llm.ctx.n_ctx}; start again with a larger -c",
+                file=sys.stderr,
+            )
+            return
+        answer = _stream(llm, prompt, args, sampler, interrupt, sys.stdout)
+        messages.append({"role": "assistant", "content": answer})
+        print()
+        if args.verbose_timings:
+            t = llm.ctx.timings
+            print(
+                f"[{t.prompt_per_second:.1f} t/s prompt, {t.predicted_per_second:.1f} t/s gen]",
+                file=sys.stderr,
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t_start = time.perf_counter()
+    prompt = args.prompt
+    try:
+        if args.file is not None:
+            with open(args.file, encoding="utf-8") as f:
+                prompt = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        print(f"picollama-cli: error: cannot read prompt file: {err}", file=sys.stderr)
+        return 1
+    conversation = args.conversation if args.conversation is not None else prompt is None
+
+    from picollama.api import Llama
+    from picollama.errors import USER_ERRORS
+
+    interrupt = _Interrupt()
+    try:
+        llm = Llama(
+            args.model,
+            n_ctx=args.ctx_size,
+            n_batch=args.batch_size,
+            n_threads=args.threads,
+            backend=args.backend,
+            seed=args.seed,
+            chat_template=args.chat_template,
+        )
+        previous = signal.signal(signal.SIGINT, interrupt)
+        try:
+            if conversation:
+                _chat(llm, args, prompt, interrupt)
+            else:
+                prompt_tokens = llm.tokenizer.encode(prompt or "", parse_special=True)
+                if not args.no_display_prompt:
+                    sys.stdout.write(prompt or "")
+                sampler = Sampler(sampling_params(args), llm.ctx.n_vocab)
+                _stream(llm, prompt_tokens, args, sampler, interrupt, sys.stdout)
+                print()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        _timings(llm, t_start)
+        return 0
+    except USER_ERRORS as err:
+        print(f"picollama-cli: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

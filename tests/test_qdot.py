@@ -1,0 +1,170 @@
+"""qdot: llama.cpp's quantized matmul arithmetic, checked against frozen ggml-cpu output.
+
+The oracle files (tests/data/qdot/<TYPE>.npz, made by tests/data/gen_qdot_oracle.py from
+the peer's libggml-cpu) hold random weights and activations, ggml's quantized activation
+rows and ggml's vec_dot result for every (row of x, row of w). We check:
+
+(a) our activation quantization writes ggml's bytes exactly;
+(b) our matmul equals ggml's up to float32 accumulation order: the integer block dots are
+    exact on both sides, and each side adds its O(k / 32) scaled block terms in float32 in
+    its own order, so each is within about ``(k / 32 + 8) * 2**-24 * S`` of the exact sum
+    of the same terms, where ``S = sum_j A_j * |xq_j|`` bounds the sum of |terms| (A_j: the
+    weight's magnitude with its min term counted positive, see ``weight_magnitude``);
+(c) the result is the exact float64 product ``x @ W.T`` up to the activation rounding:
+    ``|ours - exact| <= sum_j A_j * (|x_j - xq_j| + 2**-10 |xq_j|) + tol(b)`` (2**-10 covers
+    Q8_1's fp16 block sums), with ``|x_j - xq_j| <= 0.57 * d_block`` for the Q8 types.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from picollama.backends.cpu.qdot import SUPPORTED_TYPES, matmul_q8, supports, vec_dot_type
+from picollama.backends.cpu.qdot_act import (
+    f16_bits_to_f32,
+    f32_to_f16_bits,
+    pack_rows,
+    quantize_rows,
+)
+from picollama.gguf.constants import GGML_TYPES, GGMLType
+from picollama.quant import dequantize
+
+DATA = Path(__file__).parent / "data" / "qdot"
+N_CASES = 3
+
+# fp16 field of each type's min term (m or dmin): flipping its sign turns d*q - m into
+# d*q + m, so max(|w|, |w flipped|) = |d*q| + |m| bounds both terms of a weight.
+MIN_FIELD = {
+    GGMLType.Q4_1: 2,
+    GGMLType.Q5_1: 2,
+    GGMLType.Q2_K: 82,
+    GGMLType.Q4_K: 2,
+    GGMLType.Q5_K: 2,
+}
+
+TYPES = sorted(SUPPORTED_TYPES, key=lambda t: t.name)
+
+
+def load_case(qtype: GGMLType, c: int):
+    with np.load(DATA / f"{qtype.name}.npz") as f:
+        return f[f"w{c}"], f[f"x{c}"], f[f"xq{c}"], f[f"out{c}"]
+
+
+def weight_magnitude(w: np.ndarray, qtype: GGMLType, k: int) -> np.ndarray:
+    """|weight| with the min term counted positive: float64 (m, k)."""
+    a = np.abs(dequantize(w, qtype).astype(np.float64))
+    if qtype in MIN_FIELD:
+        info = GGML_TYPES[qtype]
+        blocks = w.reshape(w.shape[0], -1, info.type_size).copy()
+        blocks[:, :, MIN_FIELD[qtype] + 1] ^= 0x80
+        flipped = np.abs(dequantize(blocks.reshape(w.shape), qtype).astype(np.float64))
+        a = np.maximum(a, flipped)
+    return a.reshape(w.shape[0], k)
+
+
+def dequantized_activations(x: np.ndarray, qtype: GGMLType) -> np.ndarray:
+    """Our activation rows as the values they stand for: float64 (n, k)."""
+    q = quantize_rows(x, vec_dot_type(qtype))
+    if q.qs.dtype == np.float32:
+        return q.qs.astype(np.float64)
+    block = x.shape[1] // q.d.shape[1]
+    return q.qs.astype(np.float64) * np.repeat(q.d.astype(np.float64), block, axis=1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_activation_quantization_matches_ggml_bytes(qtype):
+    for c in range(N_CASES):
+        _, x, xq, _ = load_case(qtype, c)
+        ours = pack_rows(quantize_rows(x, vec_dot_type(qtype)))
+        assert ours.shape == xq.shape
+        bad = np.argwhere(ours != xq)
+        assert bad.size == 0, f"case {c}: first differing (row, byte) {bad[:5].tolist()}"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matmul_matches_ggml_vec_dot(qtype):
+    for c in range(N_CASES):
+        w, x, _, expected = load_case(qtype, c)
+        k = x.shape[1]
+        w = w.view()
+        w.flags.writeable = False  # as the mmap views the backend passes
+        got = matmul_q8(x, w, qtype, k)
+        assert got.dtype == np.float32 and got.shape == expected.shape
+        size = weight_magnitude(w, qtype, k) @ np.abs(dequantized_activations(x, qtype)).T
+        tol = (k / 32 + 8) * 2.0**-23 * size.T + 1e-30
+        err = np.abs(got.astype(np.float64) - expected)
+        worst = np.unravel_index(np.argmax(err - tol), err.shape)
+        assert np.all(err <= tol), (
+            f"case {c} (n, m, k = {x.shape[0]}, {w.shape[0]}, {k}): at {worst} "
+            f"got {got[worst]!r}, ggml {expected[worst]!r}, tol {tol[worst]:.3g}"
+        )
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matmul_near_exact_product(qtype):
+    for c in range(N_CASES):
+        w, x, _, _ = load_case(qtype, c)
+        k = x.shape[1]
+        got = matmul_q8(x, w, qtype, k).astype(np.float64)
+        wf = dequantize(w, qtype).astype(np.float64).reshape(w.shape[0], k)
+        exact = x.astype(np.float64) @ wf.T
+        xq = dequantized_activations(x, qtype)
+        dx = np.abs(x - xq)
+        q = quantize_rows(x, vec_dot_type(qtype))
+        if q.qs.dtype == np.int8:  # round to nearest: half a step, plus fp16 rounding of d
+            block = k // q.d.shape[1]
+            step = np.repeat(np.abs(q.d.astype(np.float64)), block, axis=1)
+            assert np.all(dx <= 0.57 * step + 1e-30), f"case {c}: activation rounding"
+        amag = weight_magnitude(w, qtype, k)
+        bound = (dx + 2.0**-10 * np.abs(xq)) @ amag.T
+        bound += (k / 32 + 8) * 2.0**-23 * (np.abs(xq) @ amag.T) + 1e-30
+        assert np.all(np.abs(got - exact) <= bound), f"case {c}"
+
+
+def test_fp16_conversion_matches_numpy():
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    special = np.array(
+        [
+            0,
+            0x80000000,
+            0x477FEFFF,
+            0x477FF000,
+            0x33000000,
+            0x33000001,
+            0x387FFFFF,
+            0x38800000,
+            0x7F800000,
+            0xFF800000,
+        ],
+        np.uint32,
+    )
+    values = np.concatenate([bits, special]).view(np.float32)
+    values = values[~np.isnan(values)]
+    expected = values.astype(np.float16).view(np.uint16)
+    got = np.array([f32_to_f16_bits(v) for v in values[:20000]], np.uint16)
+    np.testing.assert_array_equal(got, expected[:20000])
+    small = (rng.standard_normal(5000) * 10.0 ** rng.uniform(-9, 5, 5000)).astype(np.float32)
+    got = np.array([f32_to_f16_bits(v) for v in small], np.uint16)
+    np.testing.assert_array_equal(got, small.astype(np.float16).view(np.uint16))
+    halves = np.arange(0, 2**16, dtype=np.uint32)
+    halves = halves[(halves & 0x7C00) != 0x7C00]
+    back = np.array([f16_bits_to_f32(h) for h in halves], np.float32)
+    np.testing.assert_array_equal(
+        back, halves.astype(np.uint16).view(np.float16).astype(np.float32)
+    )
+
+
+def test_supports_and_errors():
+    assert supports(GGMLType.Q4_K) and supports(int(GGMLType.Q8_0))
+    assert not supports(GGMLType.IQ2_XXS) and not supports(999)
+    w = np.zeros((2, 18), np.uint8)
+    with pytest.raises(ValueError, match="multiple"):
+        matmul_q8(np.zeros((1, 33), np.float32), w, GGMLType.Q4_0, 33)
+    with pytest.raises(ValueError, match="does not support"):
+        matmul_q8(np.zeros((1, 256), np.float32), w, GGMLType.IQ2_XXS, 256)
+    with pytest.raises(ValueError, match="uint8"):
+        matmul_q8(np.zeros((1, 32), np.float32), np.zeros((2, 17), np.uint8), GGMLType.Q4_0, 32)
