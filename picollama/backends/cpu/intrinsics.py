@@ -18,7 +18,7 @@ The others steer LLVM's code generation, and each says why:
   the dequantization formulas in them (``d * q - m``) use these, so LLVM can neither fuse
   them into FMAs nor re-associate them, and every weight keeps ggml's float32 rounding.
 - ``shr_u32`` shifts in 32 bits (Numba would shift in 64, and vectorize in 64-bit lanes).
-- ``load_f16`` converts with F16C without a false dependency (see ``_f16_to_f32``).
+- ``load_f16_scale`` converts with F16C without a false dependency (see ``_f16_to_f32``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = [
     "load_u16",
     "load_u32",
     "load_f16",
-    "load_f16_row",
+    "load_f16_scale",
     "load_f32",
     "f32_from_bits",
     "bits_from_f32",
@@ -115,11 +115,12 @@ def _make_load(result_type, llvm_type, convert):
 def _f16_to_f32(builder, bits):
     # One F16C instruction (vcvtph2ps) on x86: exact for every finite value, infinity and
     # NaN, except that a signalling NaN comes back quieted (kernels_float.f16_to_f32 is the
-    # bit-exact one). Left to itself, LLVM loads the half with vpinsrw into whatever vector
-    # register is free, which merges with (so waits for) that register's old value: when
-    # that was the previous block's sum, every block waited for the one before and a
-    # kernel ran three times slower. So the half goes in lane 0 of an explicit zero vector,
-    # through an empty asm statement LLVM cannot fold away.
+    # bit-exact one); a NaN scale makes its whole block NaN either way, with the payload
+    # numpy's product would give. Left to itself, LLVM loads the half with vpinsrw into
+    # whatever vector register is free, which merges with (so waits for) that register's
+    # old value: when that was the previous block's sum, every block waited for the one
+    # before, and a kernel ran three times slower. So the half goes into lane 0 of an
+    # explicit zero vector, through an empty asm statement LLVM cannot fold away.
     if not _X86:
         return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
     vec_ty = ir.VectorType(ir.IntType(32), 4)
@@ -140,17 +141,21 @@ load_u16 = _make_load(types.uint16, ir.IntType(16), lambda builder, v: v)
 load_u16.__doc__ = "``load_u16(w, row, offset)``: the uint16 at ``w[row, offset:offset + 2]``."
 load_u32 = _make_load(types.uint32, ir.IntType(32), lambda builder, v: v)
 load_u32.__doc__ = "``load_u32(w, row, offset)``: the uint32 at ``w[row, offset:offset + 4]``."
-load_f16 = _make_load(types.float32, ir.IntType(16), _f16_to_f32)
-load_f16.__doc__ = "``load_f16(w, row, offset)``: the IEEE half at ``w[row, offset]``, as float32."
-load_f16_row = _make_load(
+load_f16 = _make_load(
     types.float32,
     ir.IntType(16),
     lambda builder, v: builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType()),
 )
-load_f16_row.__doc__ = (
-    "``load_f16_row(w, row, offset)``: as ``load_f16``, for loops over a row of halves: no\n"
-    "asm statement, so LLVM vectorizes the loop (and its vector loads have no false\n"
-    "dependency)."
+load_f16.__doc__ = (
+    "``load_f16(w, row, offset)``: the IEEE half at ``w[row, offset]``, as float32 (F16C on\n"
+    "x86: exact, but a signalling NaN comes back quieted). For loops over halves, which LLVM\n"
+    "vectorizes; for a block's scale, see ``load_f16_scale``."
+)
+load_f16_scale = _make_load(types.float32, ir.IntType(16), _f16_to_f32)
+load_f16_scale.__doc__ = (
+    "``load_f16_scale(w, row, offset)``: as ``load_f16``, for a scalar read ahead of vector\n"
+    "code, such as a block's scale: it never waits on an unrelated register (see\n"
+    "``_f16_to_f32``), but its asm statement keeps a loop around it from being vectorized."
 )
 load_f32 = _make_load(types.float32, ir.FloatType(), lambda builder, v: v)
 load_f32.__doc__ = "``load_f32(w, row, offset)``: the float32 at ``w[row, offset:offset + 4]``."

@@ -19,7 +19,7 @@ from picollama.backends.cpu.intrinsics import (
     bits_from_f32,
     f32_from_bits,
     fmul,
-    load_f16_row,
+    load_f16,
     load_f32,
     load_u16,
     opaque,
@@ -94,7 +94,7 @@ def deq_bf16(w, r, b, k, dst):
     return count
 
 
-# The F16 dot converts with F16C (load_f16_row), which differs from numpy only in the quiet bit
+# The F16 dot converts with F16C (load_f16), which differs from numpy only in the quiet bit
 # of a signalling NaN; a NaN weight makes the sum NaN either way.
 
 
@@ -117,7 +117,7 @@ def vdot_f16(x, w, r, k):
         x0 = FLOAT_CHUNK * b
         s = _F32(0.0)
         for j in range(min(opaque(_chunk_len(b, k)), FLOAT_CHUNK)):
-            s += x[x0 + j] * load_f16_row(w, r, 2 * (x0 + j))
+            s += x[x0 + j] * load_f16(w, r, 2 * (x0 + j))
         acc += s
     return acc
 

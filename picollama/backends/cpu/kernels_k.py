@@ -35,7 +35,7 @@ from picollama.backends.cpu.intrinsics import (
     FASTMATH,
     fmul,
     fsub,
-    load_f16,
+    load_f16_scale,
     load_f32,
     load_i8,
     load_u8,
@@ -85,8 +85,8 @@ def _f32(v):
 
 @njit(inline="always")
 def _q2_k_scales(w, r, o, dl, ml):
-    d = load_f16(w, r, o + 80)
-    dmin = load_f16(w, r, o + 82)
+    d = load_f16_scale(w, r, o + 80)
+    dmin = load_f16_scale(w, r, o + 82)
     for i in range(16):
         sc = load_u8(w, r, o + i)
         dl[i] = fmul(d, _f32(sc & _U8(15)))
@@ -145,7 +145,7 @@ def vdot_q2_k(x, w, r, k):
 def _q3_k_scales(w, r, o, dl):
     """dl[i] = d * (scale_i - 32): 4 low bits in nibble i // 8 of byte i % 8 of scales,
     2 high bits at bit 2 (i // 4) of byte 8 + i % 4."""
-    d = load_f16(w, r, o + 108)
+    d = load_f16_scale(w, r, o + 108)
     for i in range(16):
         lo = (load_u8(w, r, o + 96 + i % 8) >> _U8(4 * (i // 8))) & _U8(15)
         hi = (load_u8(w, r, o + 104 + i % 4) >> _U8(2 * (i // 4))) & _U8(3)
@@ -216,8 +216,8 @@ def _k4_scales(w, r, o, dl, ml):
     mins 0-3; scales and mins 4-7 keep their low 4 bits in bytes 8-11 and their top 2 bits
     in the spare top bits of bytes 0-7.
     """
-    d = load_f16(w, r, o)
-    dmin = load_f16(w, r, o + 2)
+    d = load_f16_scale(w, r, o)
+    dmin = load_f16_scale(w, r, o + 2)
     s = o + 4
     for i in range(8):
         if i < 4:
@@ -317,7 +317,7 @@ def vdot_q5_k(x, w, r, k):
 
 @njit(inline="always")
 def _q6_k_scales(w, r, o, dl):
-    d = load_f16(w, r, o + 208)
+    d = load_f16_scale(w, r, o + 208)
     for i in range(16):
         dl[i] = fmul(d, _F32(load_i8(w, r, o + 192 + i)))
 
@@ -407,7 +407,7 @@ def vdot_q8_k(x, w, r, k):
 def _iq4_xs_scales(w, r, o, dl):
     """dl[ib] = d * (scale_ib - 32): 4 low bits in nibble ib % 2 of scales_l[ib // 2],
     2 high bits at bit 2 ib of scales_h."""
-    d = load_f16(w, r, o)
+    d = load_f16_scale(w, r, o)
     scales_h = load_u16(w, r, o + 2)
     for ib in range(8):
         lo = (load_u8(w, r, o + 4 + ib // 2) >> _U8(4 * (ib % 2))) & _U8(15)

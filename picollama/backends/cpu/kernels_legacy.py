@@ -32,7 +32,7 @@ from picollama.backends.cpu.intrinsics import (
     FASTMATH,
     fadd,
     fmul,
-    load_f16,
+    load_f16_scale,
     load_i8,
     load_u8,
     load_u32,
@@ -113,7 +113,7 @@ def _q5(qs, qh, j):
 @njit(cache=True)
 def deq_q4_0(w, r, b, k, dst):
     o = 18 * b
-    d = load_f16(w, r, o)
+    d = load_f16_scale(w, r, o)
     for j in range(_n(16)):
         q = load_u8(w, r, o + 2 + j) ^ _U8(0x88)
         dst[j] = fmul(d, _F32(_lo_minus_8(q)))
@@ -124,8 +124,8 @@ def deq_q4_0(w, r, b, k, dst):
 @njit(cache=True)
 def deq_q4_1(w, r, b, k, dst):
     o = 20 * b
-    d = load_f16(w, r, o)
-    m = load_f16(w, r, o + 2)
+    d = load_f16_scale(w, r, o)
+    m = load_f16_scale(w, r, o + 2)
     for j in range(_n(16)):
         q = load_u8(w, r, o + 4 + j)
         dst[j] = fadd(fmul(d, _f32(q & _U8(15))), m)
@@ -136,7 +136,7 @@ def deq_q4_1(w, r, b, k, dst):
 @njit(cache=True)
 def deq_q5_0(w, r, b, k, dst):
     o = 22 * b
-    d = load_f16(w, r, o)
+    d = load_f16_scale(w, r, o)
     qh = load_u32(w, r, o + 2)
     for j in range(_n(16)):
         lo, hi = _q5(load_u8(w, r, o + 6 + j), qh, j)
@@ -148,8 +148,8 @@ def deq_q5_0(w, r, b, k, dst):
 @njit(cache=True)
 def deq_q5_1(w, r, b, k, dst):
     o = 24 * b
-    d = load_f16(w, r, o)
-    m = load_f16(w, r, o + 2)
+    d = load_f16_scale(w, r, o)
+    m = load_f16_scale(w, r, o + 2)
     qh = load_u32(w, r, o + 4)
     for j in range(_n(16)):
         lo, hi = _q5(load_u8(w, r, o + 8 + j), qh, j)
@@ -161,7 +161,7 @@ def deq_q5_1(w, r, b, k, dst):
 @njit(cache=True)
 def deq_q8_0(w, r, b, k, dst):
     o = 34 * b
-    d = load_f16(w, r, o)
+    d = load_f16_scale(w, r, o)
     for j in range(_n(32)):
         dst[j] = fmul(d, _F32(load_i8(w, r, o + 2 + j)))
     return 32
@@ -170,7 +170,7 @@ def deq_q8_0(w, r, b, k, dst):
 @njit(cache=True)
 def deq_q8_1(w, r, b, k, dst):
     o = 36 * b
-    d = load_f16(w, r, o)
+    d = load_f16_scale(w, r, o)
     for j in range(_n(32)):
         dst[j] = fmul(d, _F32(load_i8(w, r, o + 4 + j)))
     return 32
@@ -179,7 +179,7 @@ def deq_q8_1(w, r, b, k, dst):
 @njit(cache=True)
 def deq_iq4_nl(w, r, b, k, dst):
     o = 18 * b
-    d = load_f16(w, r, o)
+    d = load_f16_scale(w, r, o)
     for j in range(_n(16)):
         q = load_u8(w, r, o + 2 + j)
         dst[j] = fmul(d, KVALUES_IQ4NL[q & _U8(15)])
@@ -196,7 +196,7 @@ def vdot_q4_0(x, w, r, k):
     for b in range(k // 32):
         o = 18 * b
         x0 = 32 * b
-        d = load_f16(w, r, o)
+        d = load_f16_scale(w, r, o)
         s = _F32(0.0)
         for j in range(_n(16)):
             q = load_u8(w, r, o + 2 + j) ^ _U8(0x88)
@@ -212,8 +212,8 @@ def vdot_q4_1(x, w, r, k):
     for b in range(k // 32):
         o = 20 * b
         x0 = 32 * b
-        d = load_f16(w, r, o)
-        m = load_f16(w, r, o + 2)
+        d = load_f16_scale(w, r, o)
+        m = load_f16_scale(w, r, o + 2)
         s = _F32(0.0)
         for j in range(_n(16)):
             q = load_u8(w, r, o + 4 + j)
@@ -229,7 +229,7 @@ def vdot_q5_0(x, w, r, k):
     for b in range(k // 32):
         o = 22 * b
         x0 = 32 * b
-        d = load_f16(w, r, o)
+        d = load_f16_scale(w, r, o)
         qh = load_u32(w, r, o + 2)
         s = _F32(0.0)
         for j in range(_n(16)):
@@ -246,8 +246,8 @@ def vdot_q5_1(x, w, r, k):
     for b in range(k // 32):
         o = 24 * b
         x0 = 32 * b
-        d = load_f16(w, r, o)
-        m = load_f16(w, r, o + 2)
+        d = load_f16_scale(w, r, o)
+        m = load_f16_scale(w, r, o + 2)
         qh = load_u32(w, r, o + 4)
         s = _F32(0.0)
         for j in range(_n(16)):
@@ -264,7 +264,7 @@ def vdot_q8_0(x, w, r, k):
     for b in range(k // 32):
         o = 34 * b
         x0 = 32 * b
-        d = load_f16(w, r, o)
+        d = load_f16_scale(w, r, o)
         s = _F32(0.0)
         for j in range(_n(32)):
             s += x[x0 + j] * fmul(d, _F32(load_i8(w, r, o + 2 + j)))
@@ -278,7 +278,7 @@ def vdot_q8_1(x, w, r, k):
     for b in range(k // 32):
         o = 36 * b
         x0 = 32 * b
-        d = load_f16(w, r, o)
+        d = load_f16_scale(w, r, o)
         s = _F32(0.0)
         for j in range(_n(32)):
             s += x[x0 + j] * fmul(d, _F32(load_i8(w, r, o + 4 + j)))
@@ -292,7 +292,7 @@ def vdot_iq4_nl(x, w, r, k):
     for b in range(k // 32):
         o = 18 * b
         x0 = 32 * b
-        d = load_f16(w, r, o)
+        d = load_f16_scale(w, r, o)
         s = _F32(0.0)
         for j in range(_n(16)):
             q = load_u8(w, r, o + 2 + j)
