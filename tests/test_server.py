@@ -1,0 +1,566 @@
+"""picollama-server against a live process on 127.0.0.1 with SmolLM2.
+
+Endpoints, the official ``openai`` client, the server items of RELIABILITY.md (33-43),
+cancellation, the queue, prompt reuse, and a load test with no cross-talk between slots.
+Generation is kept short (a few tokens) so the file runs in a few minutes on a small CPU;
+PICOLLAMA_SERVER_LOAD_FULL=1 runs the load test at its full size (8 clients x 10 requests).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+KEY = "sk-test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, *args: str):
+        self.port = _free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "picollama.tools.server",
+            "-m",
+            str(model),
+            "--port",
+            str(self.port),
+            "--log-disable",
+            *args,
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.proc.stderr.read().decode())
+            try:
+                if self.request("GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("server did not start")
+
+    def request(self, method, path, body=None, headers=None, key=KEY, raw=None, timeout=120):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        h = {"Content-Type": "application/json"}
+        if key:
+            h["Authorization"] = f"Bearer {key}"
+        h.update(headers or {})
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers=h)
+        resp = conn.getresponse()
+        payload = resp.read()
+        conn.close()
+        try:
+            parsed = json.loads(payload) if payload else None
+        except ValueError:
+            parsed = payload.decode("utf-8", "replace")
+        return resp.status, parsed, resp
+
+    def post(self, path, body, **kw):
+        return self.request("POST", path, body, **kw)
+
+    def metric(self, name: str) -> float:
+        _, text, _ = self.request("GET", "/metrics")
+        for line in text.splitlines():
+            if line.startswith(f"llamacpp:{name} "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def wait_idle(self, timeout=30.0) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            _, slots, _ = self.request("GET", "/slots")
+            if not any(s["is_processing"] for s in slots) and self.metric("requests_deferred") == 0:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    srv = Server(smollm2_path, "-np", "4", "-c", "2048", "--api-key", KEY, "--queue-size", "16")
+    # warm up (compiles the kernels) so the tests below time only themselves
+    srv.post("/completion", {"prompt": "Hi", "n_predict": 2, "temperature": 0})
+    yield srv
+    srv.close()
+
+
+def _is_error(status, body, code):
+    assert status == code, body
+    assert set(body["error"]) >= {"message", "type", "code"}, body
+    assert body["error"]["code"] == code
+
+
+CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
+
+
+# -- endpoints --------------------------------------------------------------------------------
+
+
+def test_simple_endpoints(server):
+    assert server.request("GET", "/health", key=None)[:2] == (200, {"status": "ok"})
+    status, models, _ = server.request("GET", "/v1/models")
+    assert status == 200 and models["data"][0]["id"].startswith("smollm2")
+    status, props, _ = server.request("GET", "/props")
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 512
+    status, text, resp = server.request("GET", "/metrics")
+    assert status == 200 and "llamacpp:requests_processing" in text
+    assert resp.getheader("Content-Type").startswith("text/plain")
+    status, tok, _ = server.post("/tokenize", {"content": "Hello world", "with_pieces": True})
+    ids = [t["id"] for t in tok["tokens"]]
+    assert "".join(t["piece"] for t in tok["tokens"]) == "Hello world"
+    assert server.post("/detokenize", {"tokens": ids})[1] == {"content": "Hello world"}
+    status, tpl, _ = server.post(
+        "/apply-template", {"messages": [{"role": "user", "content": "X"}]}
+    )
+    assert status == 200 and "<|im_start|>user\nX<|im_end|>" in tpl["prompt"]
+
+
+def test_native_completion(server):
+    status, out, _ = server.post(
+        "/completion",
+        {
+            "prompt": "The capital of France is",
+            "n_predict": 3,
+            "temperature": 0,
+            "n_probs": 2,
+            "cache_prompt": True,
+        },
+    )
+    assert status == 200, out
+    assert out["stop"] is True and out["tokens_predicted"] == 3 and out["stop_type"] == "limit"
+    assert {"prompt_n", "predicted_n", "predicted_per_second"} <= set(out["timings"])
+    assert len(out["completion_probabilities"]) == 3
+    assert len(out["completion_probabilities"][0]["top_logprobs"]) == 2
+    # streamed: data: events, the last with stop=true, and no [DONE]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request(
+        "POST",
+        "/completion",
+        json.dumps(
+            {"prompt": "The capital of France is", "n_predict": 3, "temperature": 0, "stream": True}
+        ),
+        {"Authorization": f"Bearer {KEY}"},
+    )
+    body = conn.getresponse().read().decode()
+    events = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: ")]
+    assert "[DONE]" not in body and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == out["content"]
+    # the same prompt again reuses the cached prefix
+    assert events[-1]["timings"]["cache_n"] >= 4
+
+
+def test_prefix_reuse_across_slots(server):
+    prompt = "Once upon a time, in a land far away, there lived a curious little fox. " * 4
+    a = server.post("/completion", {"prompt": prompt + "A", "n_predict": 1, "id_slot": 0})[1]
+    b = server.post("/completion", {"prompt": prompt + "B", "n_predict": 1, "id_slot": 1})[1]
+    assert a["id_slot"] == 0 and b["id_slot"] == 1
+    # slot 1 never saw this prompt: the shared prefix was copied from slot 0's cache
+    assert b["timings"]["cache_n"] >= len(prompt) // 8
+    assert b["timings"]["prompt_n"] <= 4
+
+
+def test_logprobs_and_n(server):
+    body = {**CHAT, "logprobs": True, "top_logprobs": 3, "n": 2}
+    status, out, _ = server.post("/v1/chat/completions", body)
+    assert status == 200, out
+    assert len(out["choices"]) == 2
+    assert out["choices"][0]["message"]["content"] == out["choices"][1]["message"]["content"]
+    lp = out["choices"][0]["logprobs"]["content"]
+    assert len(lp) == 4 and len(lp[0]["top_logprobs"]) == 3
+    assert lp[0]["logprob"] == pytest.approx(lp[0]["top_logprobs"][0]["logprob"])
+
+
+# -- the openai client ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
+
+
+def test_openai_chat(client):
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=4,
+        temperature=0,
+        seed=1,
+    )
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 4
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_openai_completions(client):
+    r = client.completions.create(
+        model="smollm2", prompt="One, two, three,", max_tokens=4, temperature=0, stop=["\n\n\n"]
+    )
+    assert r.choices[0].text and r.usage.completion_tokens <= 4
+    chunks = list(
+        client.completions.create(
+            model="smollm2", prompt="One, two, three,", max_tokens=4, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_openai_json_schema(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Invent a person."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_openai_tool_call(client):
+    # SmolLM2's template knows no tools: llama.cpp's generic format (a schema-constrained
+    # JSON reply) makes the tool call parsable
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 12}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=tools,
+        tool_choice="required",
+        max_tokens=40,
+        temperature=0,
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+def test_openai_bad_key(server):
+    openai = pytest.importorskip("openai")
+    bad = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="nope", max_retries=0
+    )
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# -- RELIABILITY 33-43 ------------------------------------------------------------------------
+
+
+def test_bad_bodies(server):  # 33
+    for raw in (
+        b"{bad",
+        b"",
+        b"[1, 2]",
+        '{"prompt": "\u4f60\u597d"}'.encode("gbk"),
+        b"\xff\xfe{}",
+        b"{" * 100000,
+    ):
+        status, body, _ = server.post("/v1/completions", None, raw=raw)
+        _is_error(status, body, 400)
+    # a huge body is refused from its Content-Length, unread
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Authorization", f"Bearer {KEY}")
+    conn.putheader("Content-Length", str(100 * 1024 * 1024))
+    conn.endheaders()
+    conn.send(b"{" + b" " * 65536)
+    resp = conn.getresponse()
+    _is_error(resp.status, json.loads(resp.read()), 413)
+    conn.close()
+    assert server.request("GET", "/health")[0] == 200
+
+
+def test_prompt_over_context(server):  # 34
+    status, body, _ = server.post("/v1/completions", {"prompt": "word " * 600, "max_tokens": 4})
+    _is_error(status, body, 400)
+    assert body["error"]["n_ctx"] == 512 and body["error"]["n_prompt_tokens"] > 512
+    status, body, _ = server.post(
+        "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x " * 600}]}
+    )
+    _is_error(status, body, 400)
+    assert body["error"]["type"] == "exceed_context_size_error"
+
+
+BAD_PARAMS = [
+    ("/v1/completions", {"max_tokens": 0}),
+    ("/v1/completions", {"max_tokens": -1}),
+    ("/v1/completions", {"max_tokens": 10**9}),
+    ("/v1/chat/completions", {"max_completion_tokens": 10**9}),
+    ("/v1/completions", {"temperature": -1}),
+    ("/v1/completions", {"temperature": "hot"}),
+    ("/v1/completions", {"top_p": 1.1}),
+    ("/v1/completions", {"min_p": -0.1}),
+    ("/v1/completions", {"top_k": -5}),
+    ("/v1/completions", {"n_keep": -2}),
+    ("/v1/completions", {"n_discard": -1}),
+    ("/v1/completions", {"logit_bias": {"999999": 1}}),
+    ("/v1/completions", {"logit_bias": {"-1": 1}}),
+    ("/v1/completions", {"logprobs": 1000}),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}),
+    ("/v1/completions", {"n": 1000}),
+    ("/v1/completions", {"stop": [1, 2]}),
+    ("/v1/completions", {"seed": "x"}),
+    ("/v1/completions", {"prompt": [999999]}),
+    ("/v1/completions", {"prompt": {"a": 1}}),
+    ("/v1/completions", {"grammar": 'root ::= "unterminated'}),
+    ("/v1/completions", {"json_schema": {"$ref": "#/definitions/nope"}}),
+    ("/v1/completions", {"response_format": {"type": "xml"}}),
+    ("/completion", {"n_predict": -5}),
+    ("/completion", {"n_probs": 1000}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"x": 1}}),
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}),
+    (
+        "/v1/chat/completions",
+        {
+            "tool_choice": {"type": "function", "function": {"name": "z"}},
+            "tools": [{"type": "function", "function": {"name": "a"}}],
+        },
+    ),
+    ("/detokenize", {"tokens": [-1]}),
+    ("/detokenize", {"tokens": [49152]}),
+    ("/detokenize", {"tokens": [2**31]}),
+    ("/tokenize", {"content": 5}),
+]
+
+
+@pytest.mark.parametrize("path,fields", BAD_PARAMS, ids=[json.dumps(f) for _, f in BAD_PARAMS])
+def test_bad_parameters(server, path, fields):  # 35, 36, 24, 21, 27, 32
+    base = {"prompt": "Hi", "max_tokens": 2} if "completion" in path else {}
+    if path == "/v1/chat/completions":
+        base = dict(CHAT)
+    status, body, _ = server.post(path, {**base, **fields})
+    _is_error(status, body, 400)
+
+
+def test_api_key_on_every_route(server):  # 39
+    routes = [
+        ("GET", "/v1/models"),
+        ("GET", "/props"),
+        ("GET", "/slots"),
+        ("GET", "/metrics"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/completion"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("POST", "/apply-template"),
+        ("GET", "/nope"),
+    ]
+    for method, path in routes:
+        for key in (None, "wrong", KEY + "x", KEY[:-1]):
+            status, body, resp = server.request(
+                method, path, {} if method == "POST" else None, key=key
+            )
+            _is_error(status, body, 401)
+            assert body["error"]["type"] == "authentication_error"
+    assert server.request("GET", "/health", key=None)[0] == 200
+    _is_error(*server.request("GET", "/nope")[:2], 404)
+    _is_error(*server.request("GET", "/v1/chat/completions")[:2], 405)
+
+
+def test_cors_and_host(server):  # 40
+    status, body, resp = server.request(
+        "OPTIONS",
+        "/v1/chat/completions",
+        key=None,
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert status == 403 and resp.getheader("Access-Control-Allow-Origin") is None
+    status, body, resp = server.post(
+        "/tokenize", {"content": "x"}, headers={"Origin": "https://evil.example"}
+    )
+    assert status == 403 and resp.getheader("Access-Control-Allow-Origin") is None
+    status, body, _ = server.request("GET", "/v1/models", headers={"Host": "evil.example"})
+    _is_error(status, body, 403)
+    assert server.request("GET", "/v1/models", headers={"Host": "localhost:1"})[0] == 200
+
+
+def test_log_escaping():  # 41
+    from picollama.server.http import _escape
+
+    assert _escape("GET /x\r\n\x1b[31mred") == "GET /x\\r\\n\\x1b[31mred"
+
+
+def test_many_invalid_then_valid(server):  # 43
+    health = []
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            health.append(server.request("GET", "/health", key=None)[0])
+            time.sleep(0.02)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        for i in range(100):
+            bad = [b"{", b"null", json.dumps({"prompt": "x", "max_tokens": -i}).encode()][i % 3]
+            status, body, _ = server.post("/v1/completions", None, raw=bad)
+            assert 400 <= status < 500
+    finally:
+        stop.set()
+        t.join()
+    assert health and set(health) == {200}
+    assert server.post("/completion", {"prompt": "Hi", "n_predict": 1})[0] == 200
+
+
+def _open_stream(server, path, body):
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    data = json.dumps(body).encode()
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def test_disconnect_mid_stream_frees_slot(server):  # 37
+    assert server.wait_idle()
+    cancelled = server.metric("requests_cancelled_total")
+    sock = _open_stream(server, "/v1/chat/completions", {**CHAT, "max_tokens": 400, "stream": True})
+    got = b""
+    while b"data: {" not in got.split(b"\r\n\r\n", 1)[-1] or got.count(b"data: ") < 3:
+        got += sock.recv(4096)
+    sock.close()
+    assert server.wait_idle(timeout=10), "the slot was not freed after the client left"
+    assert server.metric("requests_cancelled_total") == cancelled + 1
+
+
+def test_disconnect_mid_prefill_frees_slot(server):  # 37
+    assert server.wait_idle()
+    cancelled = server.metric("requests_cancelled_total")
+    prompt = "apple " * 250  # a few hundred tokens of prefill
+    sock = _open_stream(
+        server, "/completion", {"prompt": prompt, "n_predict": 100, "cache_prompt": False}
+    )
+    time.sleep(0.3)
+    sock.close()
+    assert server.wait_idle(timeout=15)
+    assert server.metric("requests_cancelled_total") == cancelled + 1
+
+
+def test_full_queue(smollm2_path):  # 38
+    srv = Server(smollm2_path, "-np", "1", "-c", "512", "--queue-size", "1", "--api-key", KEY)
+    try:
+        long = {"prompt": "Count: 1, 2, 3,", "n_predict": 16, "temperature": 0, "stream": True}
+        first = _open_stream(srv, "/completion", long)  # takes the slot
+        time.sleep(0.5)
+        second = _open_stream(srv, "/completion", long)  # waits in the queue
+        time.sleep(0.3)
+        status, body, resp = srv.post("/completion", {**long, "stream": False})
+        _is_error(status, body, 503)
+        assert resp.getheader("Retry-After")
+        assert srv.metric("requests_rejected_total") >= 1
+        # the refused request cancelled nobody: both others finish normally
+        for sock in (first, second):
+            data = b""
+            while not data.rstrip().endswith(b"}") or b'"stop": true' not in data:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            sock.close()
+            assert b'"stop": true' in data and b'"stop_type": "limit"' in data
+    finally:
+        srv.close()
+
+
+# -- load: concurrency without cross-talk -----------------------------------------------------
+
+PROMPTS = [
+    "Write a word about the sea.",
+    "Name a color.",
+    "What is two plus two?",
+    "Say something about cats.",
+    "Give me a fruit.",
+    "Tell me a city.",
+    "Name a planet.",
+    "Describe rain in one word.",
+]
+
+
+def test_load_no_cross_talk(server):
+    full = os.environ.get("PICOLLAMA_SERVER_LOAD_FULL") == "1"
+    n_clients, n_each, n_tokens = (8, 10, 8) if full else (8, 2, 3)
+
+    def ask(prompt):
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": n_tokens,
+            "temperature": 0,
+        }
+        status, out, _ = server.post("/v1/chat/completions", body, timeout=600)
+        assert status == 200, out
+        return out["choices"][0]["message"]["content"]
+
+    lone = {p: ask(p) for p in PROMPTS}  # one client at a time
+
+    def client(i):
+        return [(p, ask(p)) for p in (PROMPTS[(i + j) % len(PROMPTS)] for j in range(n_each))]
+
+    with ThreadPoolExecutor(n_clients) as pool:
+        results = [r for rs in pool.map(client, range(n_clients)) for r in rs]
+    assert len(results) == n_clients * n_each
+    for prompt, answer in results:
+        assert answer == lone[prompt], prompt
+    assert server.wait_idle()
