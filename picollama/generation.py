@@ -21,7 +21,7 @@ from picollama.models import load_model
 from picollama.models.registry import resolve_model_path
 from picollama.sampling.samplers import Sampler
 
-__all__ = ["ContextOverflowError", "Timings", "Engine", "Context"]
+__all__ = ["ContextOverflowError", "Timings", "Engine", "Context", "eval_batch"]
 
 
 class ContextOverflowError(ValueError):
@@ -166,13 +166,7 @@ class Context:
         (len(tokens), n_vocab) with ``all_logits``.
         """
         tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise ValueError("eval needs at least one token")
-        for t in tokens:
-            if not 0 <= t < self.n_vocab:
-                raise ValueError(f"invalid token id {t} (vocabulary has {self.n_vocab})")
-        if len(self.tokens) + len(tokens) > self.n_ctx:
-            raise ContextOverflowError(len(self.tokens) + len(tokens), self.n_ctx)
+        self._check_append(tokens)
         out = []
         for i in range(0, len(tokens), self.n_batch):
             batch = np.array(tokens[i : i + self.n_batch], dtype=np.int64)
@@ -183,6 +177,15 @@ class Context:
             self.cache.n_past = len(self.tokens)
             out.append(logits)
         return np.concatenate(out) if all_logits else out[-1][-1]
+
+    def _check_append(self, tokens: list[int]) -> None:
+        if not tokens:
+            raise ValueError("eval needs at least one token")
+        for t in tokens:
+            if not 0 <= t < self.n_vocab:
+                raise ValueError(f"invalid token id {t} (vocabulary has {self.n_vocab})")
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(len(self.tokens) + len(tokens), self.n_ctx)
 
     def prefill(self, prompt: Sequence[int]) -> np.ndarray:
         """Make the cache hold exactly ``prompt``; return the last token's logits.
@@ -256,3 +259,28 @@ class Context:
             logits = self.eval([token])
             self.timings.predicted_ms += (time.perf_counter() - t2) * 1000
             self.timings.predicted_tokens += 1
+
+
+def eval_batch(work: Sequence[tuple[Context, Sequence[int]]]) -> list[np.ndarray]:
+    """Append tokens to several sequences of one engine in a single forward pass.
+
+    The continuous-batching step: each context gets its tokens (a prompt chunk or one
+    decode token) and its last token's logits back; the weights are read once for all.
+    """
+    from picollama.models.base import Segment
+
+    if not work:
+        return []
+    model = work[0][0].model
+    segments = []
+    for ctx, tokens in work:
+        if ctx.model is not model:
+            raise ValueError("eval_batch needs sequences of one engine")
+        tokens = [int(t) for t in tokens]
+        ctx._check_append(tokens)
+        segments.append(Segment(np.array(tokens, dtype=np.int64), len(ctx.tokens), ctx.cache))
+    logits = model.forward_batch(segments)
+    for (ctx, _), seg in zip(work, segments, strict=True):
+        ctx.tokens.extend(seg.tokens.tolist())
+        ctx.cache.n_past = len(ctx.tokens)
+    return [rows[-1] for rows in logits]

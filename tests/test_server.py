@@ -502,7 +502,14 @@ def test_disconnect_mid_prefill_frees_slot(server):  # 37
 def test_full_queue(smollm2_path):  # 38
     srv = Server(smollm2_path, "-np", "1", "-c", "512", "--queue-size", "1", "--api-key", KEY)
     try:
-        long = {"prompt": "Count: 1, 2, 3,", "n_predict": 16, "temperature": 0, "stream": True}
+        # long enough that the slot and the queue stay taken while the third request comes
+        long = {
+            "prompt": "Count: 1, 2, 3,",
+            "n_predict": 160,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         first = _open_stream(srv, "/completion", long)  # takes the slot
         time.sleep(0.5)
         second = _open_stream(srv, "/completion", long)  # waits in the queue

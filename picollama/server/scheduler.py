@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from picollama.generation import Context, Engine
+from picollama.generation import Context, Engine, eval_batch
 from picollama.sampling.samplers import Sampler
 from picollama.sampling.stop import StopStrings
 
@@ -119,12 +119,11 @@ class Slot:
 def engine_step(batch: list[tuple[Context, list[int]]]) -> list[np.ndarray]:
     """Evaluate one step for every active sequence; return each one's last-token logits.
 
-    THIS IS WHERE THE BATCHED FORWARD PLUGS IN. Today it loops over the sequences, calling
-    each one's forward; a multi-sequence forward will take all of ``batch`` at once (one
-    matmul over the decode tokens of every slot, attention per sequence against its own
-    KV cache) and return the same list. Each ``Context`` appends its tokens to its cache.
+    One forward pass for all slots (continuous batching): one matmul over the tokens of
+    every slot, attention per sequence against its own KV cache. Each ``Context`` appends
+    its tokens to its cache.
     """
-    return [ctx.eval(tokens) for ctx, tokens in batch]
+    return eval_batch(batch)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
