@@ -1,6 +1,6 @@
 """Aggregate generation throughput of an OpenAI-style server with 1, 2, 4, 8 concurrent streams.
 
-    python -m picollama.tools.bench_server -m MODEL [--peer /tmp/llama.cpp/bin/llama-server]
+    python -m picollama.tools.bench_server -m MODEL [--peer LLAMA_CPP_BIN_DIR/llama-server]
 
 Starts ``picollama-server`` (and, with ``--peer``, llama-server) with ``-np`` = the largest
 concurrency, runs N streams of /completion at once, each asking for ``-n`` tokens with
