@@ -360,3 +360,37 @@ def test_llama_grammar_from_file(tmp_path):
     (tmp_path / "empty.gbnf").write_text("  \n")
     with pytest.raises(GrammarError, match="empty"):
         LlamaGrammar.from_file(tmp_path / "empty.gbnf")
+
+
+def test_state_table_rebuilds_keep_matchers_correct(monkeypatch):
+    """With a tiny state table the engine rebuilds it often; matchers, snapshots and masks
+    must not notice."""
+    from picollama.sampling import automaton
+    from picollama.sampling import grammar as grammar_mod
+
+    monkeypatch.setattr(automaton, "MAX_DFA_NODES", 40)
+    monkeypatch.setattr(grammar_mod, "MAX_DFA_NODES", 40)
+    g = Grammar.parse((GRAMMARS / "json.gbnf").read_text())
+    rng = random.Random(1)
+    pieces = _small_vocab(rng)
+    c = TokenConstraint(g, pieces + [b""], [len(pieces)])
+    m = c.matcher()
+    other = c.matcher()
+    ref = RefMatcher(g)
+    snaps = []
+    for _ in range(60):
+        want = np.array([ref.allows(p) for p in pieces])
+        assert (m.allowed_mask()[: len(pieces)] == want).all()
+        choices = np.nonzero(want)[0]
+        if not len(choices):
+            break
+        tok = int(rng.choice(choices.tolist()))
+        snaps.append((m.snapshot(), tok))
+        m.accept_token(tok)
+        ref.accept(pieces[tok])
+        other.allowed_mask()  # a second matcher on the same engine
+    assert g.automaton.epoch > 0
+    state, tok = snaps[len(snaps) // 2]
+    m.restore(state)
+    assert m.allows(tok)
+    m.accept_token(tok)

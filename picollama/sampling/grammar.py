@@ -9,7 +9,11 @@ What is accepted is what llama.cpp accepts (``llama_grammar_accept_token``,
 ``llama_grammar_apply_impl``): a token is allowed when some parse stack consumes all its
 code points, it may end inside a UTF-8 sequence that some stack can still complete, an
 end-of-generation token is allowed only where the grammar may end, and tokens with empty
-bytes (control tokens) only where a token element (``<[id]>``) names them.
+bytes (control tokens) only where a token element (``<[id]>``) names them. Deliberate
+differences, all stricter: bytes that are not valid UTF-8 are rejected (llama.cpp decodes
+some into garbage code points), the end is not allowed while a UTF-8 sequence is pending,
+and left recursion through rules that may be empty is refused at parse time (llama.cpp
+would loop on it).
 
 How it stays fast (``automaton``, ``vocab_trie``): states are interned and their byte
 transitions cached, so checking one token is a few array lookups; a full mask is a walk of
