@@ -3,10 +3,16 @@
     picollama-cli -m MODEL -p "Once upon a time" -n 64        # completion
     picollama-cli -m MODEL -cnv                               # interactive chat
     picollama-cli                                             # chat with the default model
+    picollama-cli -m MODEL -p "A dog as JSON:" -j '{"type": "object"}'   # constrained output
 
 With a prompt (-p/-f) and no -cnv it completes the prompt and exits, like llama-completion.
 Without a prompt, or with -cnv, it chats: the model's chat template frames each turn, tokens
 stream as they come, Ctrl-C stops the current answer and Ctrl-D (or /exit) ends the chat.
+
+A grammar (--grammar, --grammar-file: GBNF) or a JSON schema (-j, -jf: converted to GBNF)
+constrains the completion, or in chat each answer from its start, as llama.cpp's
+``common_sampler_reset`` does between turns. One that cannot be built is a one-line error
+before the model loads, never a silent fall back to unconstrained output.
 """
 
 from __future__ import annotations
@@ -35,6 +41,82 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
     g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
     g.add_argument("-s", "--seed", type=int, default=DEFAULT_SEED, help="RNG seed (-1: random)")
+
+
+def _add_grammar_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("grammar", "constrain the output (one of these at most)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--grammar", default=None, help="GBNF grammar to constrain generations")
+    x.add_argument(
+        "--grammar-file", metavar="FNAME", default=None, help="file to read grammar from"
+    )
+    x.add_argument(
+        "-j",
+        "--json-schema",
+        metavar="SCHEMA",
+        default=None,
+        help="JSON schema to constrain generations, e.g. '{}' for any JSON value",
+    )
+    x.add_argument(
+        "-jf",
+        "--json-schema-file",
+        metavar="FILE",
+        default=None,
+        help="file containing a JSON schema to constrain generations",
+    )
+
+
+class _GrammarArgError(ValueError):
+    """A grammar flag whose value cannot be used; the message is the whole line to print."""
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        raise _GrammarArgError(f"cannot read {what} {path!r}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise _GrammarArgError(f"cannot read {what} {path!r}: not UTF-8 text ({err})") from None
+
+
+def _grammar_from_args(args: argparse.Namespace):
+    """The ``LlamaGrammar`` of --grammar, --grammar-file, -j or -jf, or None if none is given.
+
+    Parsed and checked here, before any model loads; raises ``_GrammarArgError`` naming the
+    source and, for GBNF, the line and column.
+    """
+    from picollama.sampling.grammar import GrammarError, LlamaGrammar
+
+    if args.grammar is not None:
+        text, build = args.grammar, LlamaGrammar.from_string
+    elif args.grammar_file is not None:
+        text, build = _read_text(args.grammar_file, "grammar file"), LlamaGrammar.from_string
+    elif args.json_schema is not None:
+        text, build = args.json_schema, LlamaGrammar.from_json_schema
+    elif args.json_schema_file is not None:
+        text = _read_text(args.json_schema_file, "json schema file")
+        build = LlamaGrammar.from_json_schema
+    else:
+        return None
+    try:
+        return build(text)
+    except GrammarError as err:
+        raise _GrammarArgError(_grammar_error_line(args, err)) from None
+
+
+def _grammar_error_line(args: argparse.Namespace, err) -> str:
+    """``SOURCE: line L, column C: message``, SOURCE naming the flag's grammar or file."""
+    if args.grammar_file is not None:
+        source = f"grammar file {args.grammar_file!r}"
+    elif args.json_schema is not None:
+        source = "json schema"
+    elif args.json_schema_file is not None:
+        source = f"json schema file {args.json_schema_file!r}"
+    else:
+        source = "grammar"
+    where = f"line {err.line}, column {err.column}: " if err.line is not None else ""
+    return f"{source}: {where}{err.message}"
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -97,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--verbose-timings", action="store_true", help="print timings after each turn")
     _add_sampling_args(p)
+    _add_grammar_args(p)
     return p
 
 
@@ -175,7 +258,7 @@ def _timings(llm, t_start: float) -> None:
     )
 
 
-def _chat(llm, args, first_message: str | None, interrupt: _Interrupt) -> None:
+def _chat(llm, args, first_message: str | None, interrupt: _Interrupt, constraint) -> None:
     messages = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})
@@ -207,6 +290,8 @@ def _chat(llm, args, first_message: str | None, interrupt: _Interrupt) -> None:
                 file=sys.stderr,
             )
             return
+        if constraint is not None:
+            sampler.grammar = constraint.matcher()  # each answer from the grammar's start
         answer = _stream(llm, prompt, args, sampler, interrupt, sys.stdout)
         messages.append({"role": "assistant", "content": answer})
         print()
@@ -230,9 +315,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"picollama-cli: error: cannot read prompt file: {err}", file=sys.stderr)
         return 1
     conversation = args.conversation if args.conversation is not None else prompt is None
+    try:
+        grammar = _grammar_from_args(args)
+    except _GrammarArgError as err:
+        print(f"picollama-cli: error: {err}", file=sys.stderr)
+        return 1
 
     from picollama.api import Llama
     from picollama.errors import USER_ERRORS
+    from picollama.sampling.grammar import GrammarError, TokenVocab
 
     interrupt = _Interrupt()
     try:
@@ -245,15 +336,18 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             chat_template=args.chat_template,
         )
+        constraint = None
+        if grammar is not None:
+            constraint = grammar.constraint(TokenVocab.from_tokenizer(llm.tokenizer))
         previous = signal.signal(signal.SIGINT, interrupt)
         try:
             if conversation:
-                _chat(llm, args, prompt, interrupt)
+                _chat(llm, args, prompt, interrupt, constraint)
             else:
                 prompt_tokens = llm.tokenizer.encode(prompt or "", parse_special=True)
                 if not args.no_display_prompt:
                     sys.stdout.write(prompt or "")
-                sampler = Sampler(sampling_params(args), llm.ctx.n_vocab)
+                sampler = Sampler(sampling_params(args), llm.ctx.n_vocab, grammar=constraint)
                 _stream(llm, prompt_tokens, args, sampler, interrupt, sys.stdout)
                 print()
         finally:
@@ -262,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except USER_ERRORS as err:
         print(f"picollama-cli: error: {err}", file=sys.stderr)
+        return 1
+    except GrammarError as err:  # binding to the vocabulary, or no token can continue
+        sys.stdout.flush()
+        print(f"picollama-cli: error: {_grammar_error_line(args, err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
