@@ -113,3 +113,51 @@ def test_silu_and_gelu_mul():
     gelu = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64**3))) * u
     np.testing.assert_allclose(ops.silu_mul(g, u), silu, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ops.gelu_mul(g, u), gelu, rtol=1e-5, atol=1e-6)
+
+
+def _f16_round(a):
+    return a.astype(np.float16).astype(np.float64)
+
+
+@pytest.mark.parametrize("n,start,window", [(3, 40, 0), (5, 90, 16), (70, 0, 0), (80, 30, 50)])
+def test_attention_f16_cache(n, start, window):
+    """The F16 cache (uint16 bits) takes ggml's two flash-attention paths: under 64 query
+    rows, Q rounded to F16 and V summed in F16 (each of the <= 111 steps rounds to 2**-11
+    relative); from 64 rows, float32 throughout. Against float64 on the same halves."""
+    n_heads, n_kv, head_dim, n_ctx = 6, 2, 64, 128
+    q = _rand(n, n_heads, head_dim)
+    k = np.zeros((n_ctx, n_kv, head_dim), np.float16)
+    v = np.zeros((n_ctx, n_kv, head_dim), np.float16)
+    k[: start + n] = _rand(start + n, n_kv, head_dim)
+    v[: start + n] = _rand(start + n, n_kv, head_dim)
+    scale = 1 / np.sqrt(head_dim)
+    got = ops.attention(q, k.view(np.uint16), v.view(np.uint16), start, scale, window)
+    chunk = n < 64
+    qr = _f16_round(q) if chunk else q.astype(np.float64)
+    ref = _attention_ref(qr, k.astype(np.float64), v.astype(np.float64), start, scale, window, 0)
+    vmax = np.abs(v.astype(np.float64)).max()
+    atol = (start + n + 1) * 2.0**-11 * vmax if chunk else 1e-5
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=atol)
+    if chunk:  # and the F16 sum really is rounded: not the float32 result
+        exact = ops.attention(q, k.astype(np.float32), v.astype(np.float32), start, scale, window)
+        assert not np.array_equal(got, exact)
+
+
+def test_ggml_expf_silu_gelu():
+    from picollama.backends.cpu.ggml_math import gelu_mul, silu_mul, v_expf
+
+    xs = np.linspace(-87, 88, 20001).astype(np.float32)
+    got = np.array([v_expf(x) for x in xs], np.float64)
+    ref = np.exp(xs.astype(np.float64))
+    assert np.max(np.abs(got / ref - 1)) < 2.5 * 2.0**-23  # ggml: 1.45 + 0.5 ulp
+    assert v_expf(np.float32(-np.inf)) == 0.0 and v_expf(np.float32(0.0)) == 1.0
+    assert v_expf(np.float32(200.0)) == np.inf
+    g, u = _rand(3, 100) * 4, _rand(3, 100)
+    g64 = g.astype(np.float64)
+    silu = g64 / (1 + np.exp(-g64)) * u
+    gelu = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64**3))) * u
+    np.testing.assert_allclose(silu_mul(g, u), silu, rtol=2e-6, atol=1e-7)
+    # GELU from a table of halves, indexed by x rounded to a half: 2**-11 relative in x
+    # and in the value, so a few 1e-3 of |x| at most
+    np.testing.assert_allclose(gelu_mul(g, u), gelu, rtol=0, atol=4e-3 * np.abs(g * u).max())
+    assert gelu_mul(np.float32([[-11.0, 12.0]]), np.float32([[2.0, 2.0]])).tolist() == [[0, 24]]

@@ -168,3 +168,18 @@ def test_supports_and_errors():
         matmul_q8(np.zeros((1, 256), np.float32), w, GGMLType.IQ2_XXS, 256)
     with pytest.raises(ValueError, match="uint8"):
         matmul_q8(np.zeros((1, 32), np.float32), np.zeros((2, 17), np.uint8), GGMLType.Q4_0, 32)
+
+
+# Types whose SIMD kernel (simd.py) mirrors ggml-cpu's AVX2 vec_dot operation for operation:
+# the result must be ggml's to the last bit, not merely within rounding.
+BIT_EXACT = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+             GGMLType.Q4_K]
+
+
+@pytest.mark.parametrize("qtype", BIT_EXACT, ids=lambda t: t.name)
+def test_simd_matmul_is_ggml_bit_for_bit(qtype):
+    for c in range(N_CASES):
+        w, x, _, expected = load_case(qtype, c)
+        got = matmul_q8(x, w, qtype, x.shape[1])
+        differ = np.argwhere(got.astype(np.float64) != expected)
+        assert differ.size == 0, f"case {c}: first differing (row, col) {differ[:5].tolist()}"

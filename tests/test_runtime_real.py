@@ -26,12 +26,14 @@ DATA = Path(__file__).parent / "data" / "runtime"
 LLAMA_CPP = json.loads((DATA / "llama_cpp_refs.json").read_text())
 TRANSFORMERS = json.loads((DATA / "transformers_refs.json").read_text())
 
-# Where greedy paths part, the two engines must have been at a near-tie: llama.cpp's own
-# top-2 log-probabilities within this many nats, and our token its second choice. We follow
-# its arithmetic (8-bit activations, integer block dots) but not its summation order or
-# its attention kernel; on SmolLM2 the remaining difference still moves some logits by up
-# to ~0.55 nats over 30 layers (see the perplexity gap below), so a smaller gap can flip.
-NEAR_TIE_NATS = 0.6
+# Where greedy paths part, the two engines must have been at a near-tie: our token among
+# llama.cpp's top 5, within this many nats of its first choice. Our arithmetic follows
+# ggml's op for op (integer block dots, F16 cache, its flash attention, exp, RoPE and GELU
+# roundings): SmolLM2's logits equal llama.cpp's bit for bit, so all its prompts match;
+# Gemma 3's Q4_K and Q6_K matmuls go through kernels whose float order we do not mirror
+# (llama.cpp repacks Q4_K rows), which moves its logits by up to ~0.2 nats.
+NEAR_TIE_NATS = 0.25
+FULL_MATCHES = {SMOLLM2: 6, GEMMA3: 3}
 
 
 @pytest.fixture(scope="module", params=[SMOLLM2, GEMMA3])
@@ -55,18 +57,15 @@ def test_greedy_matches_llama_cpp(ctx):
             full_matches += 1
             continue
         i = next(j for j, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
-        (tok1, lp1), (tok2, lp2) = ref["top2"][i]
-        assert ours[i] in (tok1, tok2), (ref["prompt"], i, ours[i], ref["top2"][i])
-        assert lp1 - lp2 < NEAR_TIE_NATS, (ref["prompt"], i, ref["top2"][i])
-    assert full_matches >= 1, "no prompt matches llama.cpp for all 32 tokens"
+        top = dict(ref["top"][i])
+        assert ours[i] in top, (ref["prompt"], i, ours[i], ref["top"][i])
+        assert ref["top"][i][0][1] - top[ours[i]] < NEAR_TIE_NATS, (ref["prompt"], i, top)
+    assert full_matches >= FULL_MATCHES[ctx.name], f"{full_matches} prompts match 32 tokens"
 
 
-def test_perplexity_matches_llama_cpp(ctx, request):
-    if ctx.name == SMOLLM2:
-        # Known gap: our perplexity on SmolLM2 is 0.74% below llama.cpp's (14.39 vs 14.50),
-        # past the 0.5% bar; Gemma 3 is within 0.03%. Still to find: llama.cpp's attention
-        # arithmetic (F16 KV cache / flash attention) is the prime suspect.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="0.74% gap, open issue"))
+def test_perplexity_matches_llama_cpp(ctx):
+    """llama-perplexity's figure at c=512 on the whole license text, within 0.5% (SmolLM2:
+    equal; Gemma 3: 0.3% below, see NEAR_TIE_NATS for why)."""
     ref = LLAMA_CPP[ctx.name]["perplexity"]
     text = (DATA / ref["file"]).read_text(encoding="utf-8")
     tokens = ctx.tokenizer.encode(text, parse_special=True)

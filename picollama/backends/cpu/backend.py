@@ -8,7 +8,7 @@ import numba
 import numpy as np
 
 from picollama.backends.base import Backend, BackendError, KVCache, Weight
-from picollama.backends.cpu import kernels, ops, qdot
+from picollama.backends.cpu import ggml_math, kernels, ops, qdot
 from picollama.gguf.constants import GGMLType, row_nbytes
 
 __all__ = ["CPUBackend"]
@@ -17,10 +17,13 @@ __all__ = ["CPUBackend"]
 class CPUBackend(Backend):
     """The reference backend: what the GPU backends are checked against.
 
-    ``arithmetic`` picks the matmul: "ggml" (default) quantizes each activation row to the
-    weight type's dot type (Q8_0, Q8_1 or Q8_K) and sums integer products per block, as
-    llama.cpp's CPU backend does, so answers track llama.cpp's; "exact" dequantizes the
-    weights to float32 inside the dot product, the closer-to-exact reference.
+    ``arithmetic`` "ggml" (default) computes as llama.cpp's CPU backend does, so answers
+    track llama.cpp's: each activation row is quantized to the weight type's dot type
+    (Q8_0, Q8_1 or Q8_K) and integer products are summed per block (``qdot``, ``simd``);
+    the KV cache is F16 and attention follows ggml's flash attention (``attention``); SiLU
+    and GELU use ggml's approximations (``ggml_math``). "exact" dequantizes the weights to
+    float32 inside the dot product, keeps a float32 cache and computes activations in
+    float32: the closer-to-exact reference.
     """
 
     name = "cpu"
@@ -60,10 +63,13 @@ class CPUBackend(Backend):
     def new_kv_cache(
         self, n_layers: int, n_ctx: int, n_kv_heads: int, head_dim_k: int, head_dim_v: int
     ) -> KVCache:
+        # "ggml": an F16 cache as llama.cpp's default (-ctk/-ctv f16), kept as uint16 bits since
+        # Numba has no half type; "exact": float32
+        dtype = np.uint16 if self.arithmetic == "ggml" else np.float32
         cache = KVCache(n_ctx, n_kv_heads, head_dim_k, head_dim_v)
         for _ in range(n_layers):
-            cache.k.append(np.zeros((n_ctx, n_kv_heads, head_dim_k), np.float32))
-            cache.v.append(np.zeros((n_ctx, n_kv_heads, head_dim_v), np.float32))
+            cache.k.append(np.zeros((n_ctx, n_kv_heads, head_dim_k), dtype))
+            cache.v.append(np.zeros((n_ctx, n_kv_heads, head_dim_v), dtype))
         self._kv_bytes += sum(a.nbytes for a in cache.k) + sum(a.nbytes for a in cache.v)
         return cache
 
@@ -90,12 +96,17 @@ class CPUBackend(Backend):
         return ops.rms_norm(x, weight, eps)
 
     def rope(self, x, positions, n_rot, freq_base, freq_scale=1.0, neox=False):
-        return ops.rope(x, positions, n_rot, freq_base, freq_scale, neox)
+        return ops.rope(
+            x, positions, n_rot, freq_base, freq_scale, neox, fused=self.arithmetic == "ggml"
+        )
 
     def store_kv(self, cache: KVCache, layer: int, k, v, start: int) -> None:
         n = k.shape[0]
         if start + n > cache.n_ctx:
             raise BackendError(f"KV cache of {cache.n_ctx} positions overflows at {start + n}")
+        if cache.k[layer].dtype == np.uint16:  # round to nearest even, as ggml's F16 copy
+            k = np.asarray(k, np.float32).astype(np.float16).view(np.uint16)
+            v = np.asarray(v, np.float32).astype(np.float16).view(np.uint16)
         cache.k[layer][start : start + n] = k
         cache.v[layer][start : start + n] = v
 
@@ -103,9 +114,13 @@ class CPUBackend(Backend):
         return ops.attention(q, cache.k[layer], cache.v[layer], start, scale, window, softcap)
 
     def silu_mul(self, gate, up):
+        if self.arithmetic == "ggml":
+            return ggml_math.silu_mul(gate, up)
         return ops.silu_mul(gate, up)
 
     def gelu_mul(self, gate, up):
+        if self.arithmetic == "ggml":
+            return ggml_math.gelu_mul(gate, up)
         return ops.gelu_mul(gate, up)
 
     def add(self, a, b):

@@ -23,11 +23,12 @@ The others steer LLVM's code generation, and each says why:
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 from numba.np.arrayobj import populate_array
 
 __all__ = [
@@ -48,6 +49,10 @@ __all__ = [
     "fsub",
     "stack_f32",
     "stack_f64",
+    "HAS_F16C",
+    "round_f16",
+    "half_to_f32",
+    "fma_f32",
 ]
 
 
@@ -297,3 +302,87 @@ stack_f32.__doc__ = (
 )
 stack_f64 = _make_stack(types.float64, ir.DoubleType())
 stack_f64.__doc__ = "``stack_f64(N)``: like ``stack_f32``, for float64."
+
+
+HAS_F16C = _X86 and "+f16c" in (llvm.get_host_cpu_features().flatten() or "")
+
+
+@intrinsic
+def _round_f16_hw(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+def round_f16(x):
+    """``x`` rounded to the nearest IEEE half (ties to even), as float32."""
+    raise NotImplementedError("round_f16 is only callable from Numba-compiled code")
+
+
+@overload(round_f16, inline="always")
+def _round_f16_overload(x):
+    if HAS_F16C:
+        # vcvtps2ph / vcvtph2ps: two instructions
+        def impl(x):
+            return _round_f16_hw(np.float32(x))
+
+    else:
+        # LLVM would call a runtime helper for the conversion, which the JIT may not have
+        from picollama.backends.cpu.qdot_act import f16_bits_to_f32, f32_to_f16_bits
+
+        def impl(x):
+            return f16_bits_to_f32(f32_to_f16_bits(np.float32(x)))
+
+    return impl
+
+
+@intrinsic
+def _half_to_f32_hw(typingctx, h):
+    if h != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(h), codegen
+
+
+def half_to_f32(h, table):
+    """The float32 value of IEEE half bits ``h`` (uint16); ``table`` maps all 65536 bit
+    patterns, for CPUs without F16C."""
+    raise NotImplementedError("half_to_f32 is only callable from Numba-compiled code")
+
+
+@overload(half_to_f32, inline="always")
+def _half_to_f32_overload(h, table):
+    if HAS_F16C:
+
+        def impl(h, table):
+            return _half_to_f32_hw(np.uint16(h))
+
+    else:
+
+        def impl(h, table):
+            return table[np.int64(h) & 0xFFFF]
+
+    return impl
+
+
+@intrinsic
+def fma_f32(typingctx, a, b, c):
+    """``a * b + c`` with one rounding (llvm.fma: an FMA instruction where the CPU has one)."""
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic(
+            "llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32])
+        )
+        return builder.call(fn, args)
+
+    return types.float32(a, b, c), codegen

@@ -12,6 +12,9 @@ import math
 import numba as nb
 import numpy as np
 
+from picollama.backends.cpu.attention import attention
+from picollama.backends.cpu.intrinsics import fma_f32
+
 __all__ = [
     "rms_norm",
     "rope",
@@ -34,8 +37,7 @@ def _rms_norm(x, w, eps, has_w, out):
     for i in range(n):
         acc = 0.0  # float64, as ggml_float
         for j in range(d):
-            v = np.float64(x[i, j])
-            acc += v * v
+            acc += np.float64(x[i, j] * x[i, j])  # the square in float32, as ggml
         mean = np.float32(acc / d)
         scale = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
         if has_w:
@@ -58,7 +60,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
 
 
 @nb.njit(**_JIT)
-def _rope(x, positions, n_rot, freq_base, freq_scale, neox, out):
+def _rope(x, positions, n_rot, freq_base, freq_scale, neox, fused, out):
     n, n_heads, head_dim = x.shape
     theta_scale = np.float32(freq_base ** (np.float32(-2.0) / np.float32(n_rot)))
     half = n_rot // 2
@@ -69,8 +71,8 @@ def _rope(x, positions, n_rot, freq_base, freq_scale, neox, out):
         theta = np.float32(positions[t])
         for i in range(half):
             angle = freq_scale * theta
-            cos_t[i] = np.float32(math.cos(angle))
-            sin_t[i] = np.float32(math.sin(angle))
+            cos_t[i] = math.cos(angle)  # cosf, sinf: float32 in, float32 out
+            sin_t[i] = math.sin(angle)
             theta = np.float32(theta * theta_scale)
         for h in range(n_heads):
             for i in range(half):
@@ -82,8 +84,13 @@ def _rope(x, positions, n_rot, freq_base, freq_scale, neox, out):
                     b = 2 * i + 1
                 x0 = x[t, h, a]
                 x1 = x[t, h, b]
-                out[t, h, a] = x0 * cos_t[i] - x1 * sin_t[i]
-                out[t, h, b] = x0 * sin_t[i] + x1 * cos_t[i]
+                if fused:
+                    # ggml's rotate_pairs as compiled: the first product fused into the sum
+                    out[t, h, a] = fma_f32(x0, cos_t[i], -(x1 * sin_t[i]))
+                    out[t, h, b] = fma_f32(x0, sin_t[i], x1 * cos_t[i])
+                else:
+                    out[t, h, a] = x0 * cos_t[i] - x1 * sin_t[i]
+                    out[t, h, b] = x0 * sin_t[i] + x1 * cos_t[i]
             for j in range(n_rot, head_dim):
                 out[t, h, j] = x[t, h, j]
 
@@ -95,8 +102,10 @@ def rope(
     freq_base: float,
     freq_scale: float = 1.0,
     neox: bool = False,
+    fused: bool = False,
 ) -> np.ndarray:
-    """Rotary position embedding of ``x`` (n_tokens, n_heads, head_dim)."""
+    """Rotary position embedding of ``x`` (n_tokens, n_heads, head_dim); ``fused``: round
+    as ggml's compiled rotation does (one product fused into each sum)."""
     out = np.empty_like(x)
     _rope(
         np.ascontiguousarray(x, dtype=np.float32),
@@ -105,83 +114,7 @@ def rope(
         np.float32(freq_base),
         np.float32(freq_scale),
         neox,
-        out,
-    )
-    return out
-
-
-def _attention_impl(q, k_cache, v_cache, start, scale, window, softcap, out):
-    n, n_heads, head_dim = q.shape
-    n_kv_heads = k_cache.shape[1]
-    head_dim_v = v_cache.shape[2]
-    group = n_heads // n_kv_heads
-    n_kv = start + n
-    for job in nb.prange(n * n_heads):
-        t = job // n_heads
-        h = job % n_heads
-        kvh = h // group
-        pos = start + t
-        lo = 0
-        if window > 0 and pos - window + 1 > 0:
-            lo = pos - window + 1
-        hi = pos + 1  # causal: keys at positions <= pos
-        if hi > n_kv:
-            hi = n_kv
-        scores = np.empty(hi - lo, np.float32)
-        best = np.float32(-np.inf)
-        for j in range(lo, hi):
-            s = np.float32(0.0)
-            for d in range(head_dim):
-                s += q[t, h, d] * k_cache[j, kvh, d]
-            s *= scale
-            if softcap > 0:
-                s = np.float32(softcap * math.tanh(s / softcap))
-            scores[j - lo] = s
-            if s > best:
-                best = s
-        total = 0.0
-        for j in range(hi - lo):
-            e = np.float32(math.exp(scores[j] - best))
-            scores[j] = e
-            total += e
-        inv = np.float32(1.0 / total)
-        for d in range(head_dim_v):
-            out[t, h * head_dim_v + d] = 0.0
-        for j in range(lo, hi):
-            p = scores[j - lo] * inv
-            for d in range(head_dim_v):
-                out[t, h * head_dim_v + d] += p * v_cache[j, kvh, d]
-
-
-# The same kernel compiled twice: a parallel region costs tens of microseconds to start,
-# more than a short decode-time attention takes, so small jobs run on one thread.
-_attention = nb.njit(parallel=True, **_JIT)(_attention_impl)
-_attention_serial = nb.njit(**_JIT)(_attention_impl)
-_PARALLEL_MIN_WORK = 1 << 16  # query-key dot products
-
-
-def attention(
-    q: np.ndarray,
-    k_cache: np.ndarray,
-    v_cache: np.ndarray,
-    start: int,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> np.ndarray:
-    """Causal GQA attention of ``q`` (n_tokens, n_heads, head_dim) against the cache."""
-    n, n_heads, _ = q.shape
-    out = np.empty((n, n_heads * v_cache.shape[2]), np.float32)
-    work = n * n_heads * (start + n) * q.shape[2]
-    kernel = _attention if work >= _PARALLEL_MIN_WORK else _attention_serial
-    kernel(
-        np.ascontiguousarray(q, dtype=np.float32),
-        k_cache,
-        v_cache,
-        start,
-        np.float32(scale),
-        window,
-        np.float32(softcap),
+        fused,
         out,
     )
     return out

@@ -40,6 +40,7 @@ from numba.extending import overload
 from picollama.backends.cpu import qdot_unpack as U
 from picollama.backends.cpu.intrinsics import f32_from_bits, load_f16, load_u16, load_u32, opaque
 from picollama.backends.cpu.qdot_act import VEC_DOT_TYPE, quantize_rows
+from picollama.backends.cpu.simd import SIMD_TYPES, vec_dot
 from picollama.gguf.constants import GGML_TYPES, QK_K, GGMLType
 
 __all__ = ["SUPPORTED_TYPES", "supports", "matmul_q8", "vec_dot_type"]
@@ -194,6 +195,28 @@ def _quant_kernel(qtype: int):
 
 
 @functools.cache
+def _simd_kernel(qtype: int):
+    """The parallel kernel of a type with a SIMD block dot (``simd.vec_dot``): the weight
+    rows are split among tasks; each row is read from memory once per tile of x rows."""
+    qtype = int(qtype)
+
+    @njit(cache=True, parallel=True)
+    def kernel(xq, xd, xs, bsums, w, out, n_tasks):
+        m = w.shape[0]
+        n = xq.shape[0]
+        for t in prange(n_tasks):
+            r_lo = t * m // n_tasks
+            r_hi = (t + 1) * m // n_tasks
+            for i0 in range(0, n, TILE_ROWS):
+                i1 = min(n, i0 + TILE_ROWS)
+                for r in range(r_lo, r_hi):
+                    for i in range(i0, i1):
+                        out[i, r] = vec_dot(qtype, w, r, xq, xd, xs, bsums, i)
+
+    return kernel
+
+
+@functools.cache
 def _float_kernel(qtype: int):
     is_f32 = qtype == GGMLType.F32
     is_f16 = qtype == GGMLType.F16
@@ -266,6 +289,8 @@ def matmul_q8(x: np.ndarray, w: np.ndarray, qtype, k: int) -> np.ndarray:
     q = quantize_rows(x, VEC_DOT_TYPE[qtype])
     if qtype in _FLOAT:
         _float_kernel(int(qtype))(q.qs, wv, out, k, _n_tasks(m))
+    elif qtype in SIMD_TYPES:
+        _simd_kernel(int(qtype))(q.qs, q.d, q.s, q.bsums, wv, out, _n_tasks(m))
     else:
         _quant_kernel(int(qtype))(q.qs, q.d, q.s, q.bsums, wv, out, k, _n_tasks(m))
     return out

@@ -2,7 +2,7 @@
 
     python tests/data/runtime/gen_llama_cpp_refs.py LLAMA_CPP_BIN_DIR
 
-Runs llama.cpp's own server (greedy /completion with the generated token ids and the top-2
+Runs llama.cpp's own server (greedy /completion with the generated token ids and the top-5
 probabilities at each step) and llama-perplexity on both built-in models, and writes
 tests/data/runtime/llama_cpp_refs.json. The tests read only that file.
 """
@@ -45,7 +45,10 @@ PROMPTS = {
     ],
 }
 N_PREDICT = 32
-PPL_CTX = 128
+PPL_CTX = 512  # llama-perplexity's default context, the one the acceptance names
+# 7 chunks of 512 for SmolLM2, 6 for Gemma 3: fewer chunks leave the estimate at the mercy
+# of a few tokens (llama.cpp's own two attention paths differ by 0.5% on 2 chunks)
+PPL_TEXT = "python-license.txt"
 
 
 def _post(path: str, body: dict) -> dict:
@@ -76,16 +79,16 @@ def greedy(bin_dir: Path, model: Path, prompts: list[str]) -> list[dict]:
                                              "parse_special": True})["tokens"]
             r = _post("/completion", {
                 "prompt": prompt, "n_predict": N_PREDICT, "temperature": 0.0, "top_k": 1,
-                "return_tokens": True, "n_probs": 2, "cache_prompt": False,
+                "return_tokens": True, "n_probs": 5, "cache_prompt": False,
                 "ignore_eos": False,
             })
-            # top-2 log-probabilities before sampling, to tell near-ties from real differences
+            # top-5 log-probabilities before sampling, to tell near-ties from real differences
             probs = [
                 [[p["id"], p["logprob"]] for p in step["top_logprobs"]]
                 for step in r.get("completion_probabilities", [])
             ]
             out.append({"prompt": prompt, "prompt_ids": prompt_ids, "tokens": r["tokens"],
-                        "content": r["content"], "top2": probs})
+                        "content": r["content"], "top": probs})
         return out
     finally:
         server.terminate()
@@ -111,7 +114,7 @@ def main() -> None:
         model = resolve_model_path(name)
         refs[name] = {
             "greedy": greedy(bin_dir, model, prompts),
-            "perplexity": perplexity(bin_dir, model, HERE / "python-license.txt"),
+            "perplexity": perplexity(bin_dir, model, HERE / PPL_TEXT),
         }
         print(name, refs[name]["perplexity"])
     (HERE / "llama_cpp_refs.json").write_text(json.dumps(refs, indent=1, ensure_ascii=False))

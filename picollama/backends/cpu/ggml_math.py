@@ -1,0 +1,150 @@
+"""ggml-cpu's float arithmetic where it is not IEEE-exact, reproduced bit for bit.
+
+llama.cpp's CPU backend computes exp, SiLU and GELU with approximations of its own, and its
+results follow them to the last bit. Our "ggml" arithmetic uses the same ones, so a layer's
+output equals llama.cpp's instead of differing in the last bits (which the next 8-bit
+activation rounding would amplify):
+
+- ``v_expf``: the AVX2 ``ggml_v_expf`` (after ARM's optimized routines: 1.45 + 0.5 ulp),
+  one SIMD lane, with the same FMAs and constants;
+- ``silu_mul``: ``ggml_vec_swiglu_f32``: ``x / (1 + v_expf(-x)) * g`` for every full
+  group of 8, ``x / (1 + expf(-x)) * g`` for the tail;
+- ``gelu_mul``: ``ggml_vec_geglu_f32`` with ``GGML_GELU_FP16``: GELU looked up in a table
+  of IEEE halves, indexed by ``x`` rounded to a half (``GELU_F16``); 0 below -10, ``x``
+  above 10.
+
+All are compiled without fast-math, so LLVM keeps every rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+
+from picollama.backends.cpu.intrinsics import bits_from_f32, f32_from_bits, fma_f32
+from picollama.backends.cpu.qdot_act import f32_to_f16_bits
+
+__all__ = ["v_expf", "silu_mul", "gelu_mul", "GELU_F16", "expf", "hsum8_f32"]
+
+_F = np.float32
+_JIT = dict(nogil=True, cache=True, fastmath=False)
+
+_R = _F(float.fromhex("0x1.8p23"))
+_LOG2E = _F(float.fromhex("0x1.715476p+0"))
+_LN2_HI = _F(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = _F(float.fromhex("0x1.7f7d1cp-20"))
+_C4 = _F(float.fromhex("0x1.0e4020p-7"))
+_C3 = _F(float.fromhex("0x1.573e2ep-5"))
+_C2 = _F(float.fromhex("0x1.555e66p-3"))
+_C1 = _F(float.fromhex("0x1.fffdb6p-2"))
+_C0 = _F(float.fromhex("0x1.ffffecp-1"))
+
+
+@nb.njit(**_JIT)
+def v_expf(x):
+    """One lane of ggml's AVX2 ``ggml_v_expf``: exp(x) for float32 ``x``."""
+    x = _F(x)
+    z = fma_f32(x, _LOG2E, _R)
+    n = z - _R
+    b = fma_f32(-n, _LN2_LO, fma_f32(-n, _LN2_HI, x))
+    e = (np.int64(bits_from_f32(z)) << 23) & 0xFFFFFFFF
+    k = f32_from_bits(np.uint32((e + 0x3F800000) & 0xFFFFFFFF))
+    u = b * b
+    j = fma_f32(fma_f32(fma_f32(_C4, b, _C3), u, fma_f32(_C2, b, _C1)), u, _C0 * b)
+    if not abs(n) > _F(126.0):
+        return fma_f32(j, k, k)
+    g = np.int64(0x82000000) if n <= _F(0.0) else np.int64(0)
+    s1 = f32_from_bits(np.uint32((g + 0x7F000000) & 0xFFFFFFFF))
+    s2 = f32_from_bits(np.uint32((e - g) & 0xFFFFFFFF))
+    if abs(n) > _F(192.0):
+        return s1 * s1
+    return fma_f32(s2, j, s2) * s1
+
+
+@nb.njit(**_JIT)
+def expf(x):
+    """libm's ``expf`` of float32 ``x`` (Numba calls it for a float32 argument), as ggml's
+    scalar code does."""
+    return math.exp(_F(x))
+
+
+@nb.njit(**_JIT)
+def hsum8_f32(v, i0):
+    """ggml's ``hsum_float_8`` of ``v[i0 : i0 + 8]``: (hi + lo), upper pair onto lower, 0 + 1."""
+    a0 = v[i0 + 4] + v[i0]
+    a1 = v[i0 + 5] + v[i0 + 1]
+    a2 = v[i0 + 6] + v[i0 + 2]
+    a3 = v[i0 + 7] + v[i0 + 3]
+    return (a0 + a2) + (a1 + a3)
+
+
+@nb.njit(**_JIT)
+def _silu_mul(gate, up, out):
+    n_rows, n = gate.shape
+    vec = n - n % 8
+    for r in range(n_rows):
+        for i in range(vec):
+            x = gate[r, i]
+            out[r, i] = (x / (_F(1.0) + v_expf(_F(0.0) - x))) * up[r, i]
+        for i in range(vec, n):
+            x = gate[r, i]
+            out[r, i] = (x / (_F(1.0) + expf(-x))) * up[r, i]  # ggml_silu_f32
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``silu(gate) * up`` as ggml_vec_swiglu_f32 computes it, over the last axis."""
+    shape = gate.shape
+    g = np.ascontiguousarray(gate, np.float32).reshape(-1, shape[-1])
+    out = np.empty_like(g)
+    _silu_mul(g, np.ascontiguousarray(up, np.float32).reshape(g.shape), out)
+    return out.reshape(shape)
+
+
+@nb.njit(**_JIT)
+def _gelu_f32(x):
+    """ggml_gelu_f32 as compiled: 1 + a*x*x contracted to one FMA; tanhf from libm."""
+    inner = _F(0.79788456080286535587989211986876) * x * fma_f32(_F(0.044715) * x, x, _F(1.0))
+    return _F(0.5) * x * (_F(1.0) + math.tanh(inner))
+
+
+@nb.njit(**_JIT)
+def _gelu_of_halves(halves):
+    out = np.empty_like(halves)
+    for i in range(halves.size):
+        out[i] = _gelu_f32(halves[i])
+    return out
+
+
+def _gelu_table() -> np.ndarray:
+    """ggml_table_gelu_f16 as float32: fp16(gelu(h)) for every half ``h``."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(all="ignore"):
+        return _gelu_of_halves(h).astype(np.float16).astype(np.float32)
+
+
+GELU_F16 = _gelu_table()
+
+
+@nb.njit(**_JIT)
+def _gelu_mul(gate, up, out, table):
+    n_rows, n = gate.shape
+    for r in range(n_rows):
+        for i in range(n):
+            x = gate[r, i]
+            if x <= _F(-10.0):
+                out[r, i] = 0.0
+            elif x >= _F(10.0):
+                out[r, i] = x * up[r, i]
+            else:
+                out[r, i] = table[np.int64(f32_to_f16_bits(x))] * up[r, i]
+
+
+def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``gelu(gate) * up`` as ggml_vec_geglu_f32 computes it (the F16 table), last axis."""
+    shape = gate.shape
+    g = np.ascontiguousarray(gate, np.float32).reshape(-1, shape[-1])
+    out = np.empty_like(g)
+    _gelu_mul(g, np.ascontiguousarray(up, np.float32).reshape(g.shape), out, GELU_F16)
+    return out.reshape(shape)

@@ -1,0 +1,402 @@
+"""SIMD dot products of one quantized weight row with one quantized activation row.
+
+Each ``vec_dot_<type>`` here is an LLVM function written with llvmlite's IR builder, one
+block per loop iteration, the same operations in the same order as ggml-cpu's AVX2
+``ggml_vec_dot_<type>_<vec_dot_type>`` (arch/x86/quants.c):
+
+- the weight block's quants are unpacked in registers (nibbles with a mask and a shift,
+  high bits spread from a bit field), never written out;
+- integer products of 32 unsigned by 32 signed bytes summed in pairs to 16 bits
+  (``pmaddubsw``), then in pairs to 32 bits (``pmaddwd``), exact;
+- eight float32 lanes accumulate ``d * float(isum)`` with one fused multiply-add per block,
+  and are summed at the end in ggml's ``hsum_float_8`` order.
+
+So a result is bit for bit ggml's (the test checks it against the frozen output of the
+peer's libggml-cpu) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K. Q6_K's integer sums are
+exact too, but the peer adds its float terms in another order than the AVX2 source we
+follow, so its results differ from ggml's in float32 rounding only. On an x86 CPU with AVX2 the
+byte products use the x86 intrinsics; elsewhere the same values come from portable LLVM
+vector code (widen, multiply, add adjacent pairs), which LLVM lowers for any target.
+
+``vec_dot(qtype, w, r, xq, xd, xs, bsums, i)`` (a Numba intrinsic, ``qtype`` a literal)
+calls the type's function on row ``r`` of the weights ``w`` (uint8 (m, row_bytes)) and
+row ``i`` of the quantized activations (``qdot_act.quantize_rows``: int8 quants ``xq``,
+float32 block scales ``xd``, Q8_1 sums ``xs``, Q8_K ``bsums``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from picollama.gguf.constants import GGMLType
+
+__all__ = ["SIMD_TYPES", "HAS_AVX2", "vec_dot"]
+
+HAS_AVX2 = llvm.get_process_triple().startswith("x86_64") and "+avx2" in (
+    llvm.get_host_cpu_features().flatten() or ""
+)
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F16, F32 = ir.HalfType(), ir.FloatType()
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _splat(t, n, value):
+    return ir.Constant(_vec(t, n), [ir.Constant(t, value)] * n)
+
+
+def _mask(indices):
+    return ir.Constant(_vec(I32, len(indices)), [ir.Constant(I32, i) for i in indices])
+
+
+class _Ops:
+    """Vector building blocks over one IRBuilder, x86 intrinsics where the CPU has them."""
+
+    def __init__(self, builder: ir.IRBuilder):
+        self.b = builder
+        self.module = builder.module
+
+    def _intrinsic(self, name, ret, args):
+        fnty = ir.FunctionType(ret, args)
+        try:
+            return self.module.get_global(name)
+        except KeyError:
+            return ir.Function(self.module, fnty, name)
+
+    def load(self, ptr, offset, ty):
+        """Unaligned load of ``ty`` at byte ``offset`` (an i64 value) of the i8* ``ptr``."""
+        p = self.b.gep(ptr, [offset])
+        return self.b.load(self.b.bitcast(p, ty.as_pointer()), align=1)
+
+    def load_f16(self, ptr, offset):
+        return self.b.fpext(self.load(ptr, offset, F16), F32)
+
+    def maddubs(self, a_u8, b_s8):
+        """pmaddubsw: adjacent pairs of u8 * s8 products summed to i16 (saturating)."""
+        if HAS_AVX2:
+            fn = self._intrinsic(
+                "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [_vec(I8, 32), _vec(I8, 32)]
+            )
+            return self.b.call(fn, [a_u8, b_s8])
+        b = self.b
+        prod = b.mul(b.zext(a_u8, _vec(I16, 32)), b.sext(b_s8, _vec(I16, 32)))
+        even = b.shuffle_vector(prod, prod, _mask(range(0, 32, 2)))
+        odd = b.shuffle_vector(prod, prod, _mask(range(1, 32, 2)))
+        fn = self._intrinsic("llvm.sadd.sat.v16i16", _vec(I16, 16), [_vec(I16, 16)] * 2)
+        return b.call(fn, [even, odd])
+
+    def maddwd(self, a, c):
+        """pmaddwd: adjacent pairs of i16 * i16 products summed to i32."""
+        if HAS_AVX2:
+            fn = self._intrinsic(
+                "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [_vec(I16, 16), _vec(I16, 16)]
+            )
+            return self.b.call(fn, [a, c])
+        b = self.b
+        prod = b.mul(b.sext(a, _vec(I32, 16)), b.sext(c, _vec(I32, 16)))
+        even = b.shuffle_vector(prod, prod, _mask(range(0, 16, 2)))
+        odd = b.shuffle_vector(prod, prod, _mask(range(1, 16, 2)))
+        return b.add(even, odd)
+
+    def sign(self, a, s):
+        """psignb: a negated where s < 0, zeroed where s == 0."""
+        if HAS_AVX2:
+            fn = self._intrinsic(
+                "llvm.x86.avx2.psign.b", _vec(I8, 32), [_vec(I8, 32), _vec(I8, 32)]
+            )
+            return self.b.call(fn, [a, s])
+        b = self.b
+        zero = _splat(I8, 32, 0)
+        neg = b.select(b.icmp_signed("<", s, zero), b.sub(zero, a), a)
+        return b.select(b.icmp_signed("==", s, zero), zero, neg)
+
+    def sum_i16_pairs_float(self, x16):
+        return self.b.sitofp(self.maddwd(_splat(I16, 16, 1), x16), _vec(F32, 8))
+
+    def mul_sum_us8_pairs_float(self, ax, sy):
+        return self.sum_i16_pairs_float(self.maddubs(ax, sy))
+
+    def mul_sum_i8_pairs_float(self, x, y):
+        return self.mul_sum_us8_pairs_float(self.sign(x, x), self.sign(y, x))
+
+    def fma8(self, a, x, acc):
+        fn = self._intrinsic("llvm.fma.v8f32", _vec(F32, 8), [_vec(F32, 8)] * 3)
+        return self.b.call(fn, [a, x, acc])
+
+    def splat8(self, value):
+        b = self.b
+        v = b.insert_element(ir.Constant(_vec(F32, 8), None), value, ir.Constant(I32, 0))
+        return b.shuffle_vector(v, v, _mask([0] * 8))
+
+    def nibbles_32(self, ptr, offset):
+        """bytes_from_nibbles_32: 16 bytes -> low nibbles in bytes 0..15, high in 16..31."""
+        b = self.b
+        q = self.load(ptr, offset, _vec(I8, 16))
+        lo = b.and_(q, _splat(I8, 16, 0x0F))
+        hi = b.lshr(q, _splat(I8, 16, 4))
+        return b.shuffle_vector(lo, hi, _mask(range(32)))
+
+    def bits_32(self, ptr, offset):
+        """bytes_from_bits_32: bit j of the u32 at ``offset`` -> byte j, 0xFF or 0x00."""
+        b = self.b
+        bits = b.bitcast(self.load(ptr, offset, I32), _vec(ir.IntType(1), 32))
+        return b.sext(bits, _vec(I8, 32))
+
+    def hsum_float_8(self, x):
+        """ggml's hsum_float_8: (hi4 + lo4), then the upper pair onto the lower, then 0 + 1."""
+        b = self.b
+        hi = b.shuffle_vector(x, x, _mask([4, 5, 6, 7]))
+        lo = b.shuffle_vector(x, x, _mask([0, 1, 2, 3]))
+        r = b.fadd(hi, lo)
+        r2 = b.fadd(r, b.shuffle_vector(r, r, _mask([2, 3, 2, 3])))
+        e0 = b.extract_element(r2, ir.Constant(I32, 0))
+        e1 = b.extract_element(r2, ir.Constant(I32, 1))
+        return b.fadd(e0, e1)
+
+
+# -- the functions ------------------------------------------------------------------------
+
+# Arguments of every vec_dot function: the weight row, the activation quants, block scales,
+# Q8_1 block sums (f32) or Q8_K bsums (i32, passed as i8*), and the number of blocks.
+_ARGS = [I8.as_pointer(), I8.as_pointer(), F32.as_pointer(), I8.as_pointer(), I64]
+
+
+def _legacy_body(qtype):
+    """The per-block step of the 32-weight types, as ``step(ops, w, xq, xd, xs, i, acc, summs)``."""
+    size = {GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q5_0: 22, GGMLType.Q5_1: 24,
+            GGMLType.Q8_0: 34}[qtype]
+
+    def step(o: _Ops, w, xq, xd, xs, i, acc, summs):
+        b = o.b
+        base = b.mul(i, ir.Constant(I64, size))
+        qy = o.load(xq, b.mul(i, ir.Constant(I64, 32)), _vec(I8, 32))
+        dy = b.load(b.gep(xd, [i]))
+        dx = o.load_f16(w, base)
+        if qtype == GGMLType.Q4_0:
+            # Q4_0: nibble - 8
+            qx = b.sub(o.nibbles_32(w, b.add(base, ir.Constant(I64, 2))), _splat(I8, 32, 8))
+            q = o.mul_sum_i8_pairs_float(qx, qy)
+            acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
+        elif qtype == GGMLType.Q4_1:
+            m = o.load_f16(w, b.add(base, ir.Constant(I64, 2)))
+            sy = b.load(b.gep(b.bitcast(xs, F32.as_pointer()), [i]))
+            summs = b.fadd(summs, b.fmul(m, sy))
+            d0d1 = b.fmul(o.splat8(dx), o.splat8(dy))
+            qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 4)))
+            acc = o.fma8(d0d1, o.mul_sum_us8_pairs_float(qx, qy), acc)
+        elif qtype == GGMLType.Q5_0:
+            qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 6)))
+            hi = o.bits_32(w, b.add(base, ir.Constant(I64, 2)))
+            hi = b.and_(b.xor(hi, _splat(I8, 32, -1)), _splat(I8, 32, -16))  # andnot 0xF0
+            q = o.mul_sum_i8_pairs_float(b.or_(qx, hi), qy)
+            acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
+        elif qtype == GGMLType.Q5_1:
+            m = o.load_f16(w, b.add(base, ir.Constant(I64, 2)))
+            sy = b.load(b.gep(b.bitcast(xs, F32.as_pointer()), [i]))
+            summs = b.fadd(summs, b.fmul(m, sy))
+            qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 8)))
+            hi = b.and_(o.bits_32(w, b.add(base, ir.Constant(I64, 4))), _splat(I8, 32, 0x10))
+            q = o.mul_sum_us8_pairs_float(b.or_(qx, hi), qy)
+            acc = o.fma8(q, b.fmul(o.splat8(dx), o.splat8(dy)), acc)
+        else:  # Q8_0
+            qx = o.load(w, b.add(base, ir.Constant(I64, 2)), _vec(I8, 32))
+            q = o.mul_sum_i8_pairs_float(qx, qy)
+            acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
+        return acc, summs
+
+    return step
+
+
+# get_scale_shuffle_k4(i): 16-bit scale i broadcast to every 16-bit lane
+def _k_quant_body(qtype):
+    def step(o: _Ops, w, xq, xd, xs, i, acc, summs):
+        b = o.b
+        bsums = b.bitcast(xs, I32.as_pointer())
+        dy = b.load(b.gep(xd, [i]))
+        q8 = b.mul(i, ir.Constant(I64, 256))
+        if qtype == GGMLType.Q4_K:
+            base = b.mul(i, ir.Constant(I64, 144))
+            d = b.fmul(dy, o.load_f16(w, base))
+            dmin = b.fmul(b.fneg(dy), o.load_f16(w, b.add(base, ir.Constant(I64, 2))))
+            # the 8 6-bit scales and mins (ggml's utmp shuffle), as bytes
+            sc = [o.load(w, b.add(base, ir.Constant(I64, 4 + 4 * j)), I32) for j in range(3)]
+            km1, km2, km3 = (ir.Constant(I32, v) for v in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+            u3 = b.or_(b.and_(b.lshr(sc[2], ir.Constant(I32, 4)), km2),
+                       b.shl(b.and_(b.lshr(sc[1], ir.Constant(I32, 6)), km3), ir.Constant(I32, 4)))
+            u2 = b.and_(sc[1], km1)
+            u1 = b.or_(b.and_(sc[2], km2),
+                       b.shl(b.and_(b.lshr(sc[0], ir.Constant(I32, 6)), km3), ir.Constant(I32, 4)))
+            u0 = b.and_(sc[0], km1)
+            u = ir.Constant(_vec(I32, 4), None)
+            for j, v in enumerate((u0, u1, u2, u3)):
+                u = b.insert_element(u, v, ir.Constant(I32, j))
+            bytes16 = b.bitcast(u, _vec(I8, 16))
+            ms = b.zext(bytes16, _vec(I16, 16))  # scales in lanes 0..7, mins in 8..15
+            # mins . (bsums summed in pairs), fmadd into a 4-lane accumulator
+            bs = o.load(b.bitcast(bsums, I8.as_pointer()), b.mul(i, ir.Constant(I64, 64)),
+                        _vec(I32, 16))
+            pairs = b.add(b.shuffle_vector(bs, bs, _mask(range(0, 16, 2))),
+                          b.shuffle_vector(bs, bs, _mask(range(1, 16, 2))))
+            # _mm_hadd_epi16 sums in 16 bits; bsums fit, and so do their pair sums (|.| <= 8128)
+            pairs16 = b.trunc(pairs, _vec(I16, 8))
+            mins = b.shuffle_vector(ms, ms, _mask(range(8, 16)))
+            prod = b.mul(b.sext(mins, _vec(I32, 8)), b.sext(pairs16, _vec(I32, 8)))
+            prod4 = b.add(b.shuffle_vector(prod, prod, _mask([0, 2, 4, 6])),
+                          b.shuffle_vector(prod, prod, _mask([1, 3, 5, 7])))
+            acc_m = summs  # a <4 x float> here
+            fn = o._intrinsic("llvm.fma.v4f32", _vec(F32, 4), [_vec(F32, 4)] * 3)
+            dmin4 = b.shuffle_vector(
+                b.insert_element(ir.Constant(_vec(F32, 4), None), dmin, ir.Constant(I32, 0)),
+                ir.Constant(_vec(F32, 4), None), _mask([0] * 4))
+            acc_m = b.call(fn, [dmin4, b.sitofp(prod4, _vec(F32, 4)), acc_m])
+            sumi = _splat(I32, 8, 0)
+            for j in range(4):
+                sl = b.shuffle_vector(ms, ms, _mask([2 * j] * 16))
+                sh = b.shuffle_vector(ms, ms, _mask([2 * j + 1] * 16))
+                q4 = o.load(w, b.add(base, ir.Constant(I64, 16 + 32 * j)), _vec(I8, 32))
+                q4l = b.and_(q4, _splat(I8, 32, 0x0F))
+                q4h = b.lshr(q4, _splat(I8, 32, 4))
+                q8l = o.load(xq, b.add(q8, ir.Constant(I64, 64 * j)), _vec(I8, 32))
+                q8h = o.load(xq, b.add(q8, ir.Constant(I64, 64 * j + 32)), _vec(I8, 32))
+                pl = o.maddwd(sl, o.maddubs(q4l, q8l))
+                ph = o.maddwd(sh, o.maddubs(q4h, q8h))
+                sumi = b.add(sumi, b.add(pl, ph))
+            acc = o.fma8(o.splat8(d), b.sitofp(sumi, _vec(F32, 8)), acc)
+            return acc, acc_m
+        # Q6_K: ql[128], qh[64], scales[16] (int8), d
+        base = b.mul(i, ir.Constant(I64, 210))
+        d = b.fmul(dy, o.load_f16(w, b.add(base, ir.Constant(I64, 208))))
+        scales = b.sext(o.load(w, b.add(base, ir.Constant(I64, 192)), _vec(I8, 16)),
+                        _vec(I16, 16))
+        sumi = _splat(I32, 8, 0)
+        m4, m3 = _splat(I8, 32, 0x0F), _splat(I8, 32, 3)
+        for j in range(2):
+            ql1 = o.load(w, b.add(base, ir.Constant(I64, 64 * j)), _vec(I8, 32))
+            ql2 = o.load(w, b.add(base, ir.Constant(I64, 64 * j + 32)), _vec(I8, 32))
+            qh = o.load(w, b.add(base, ir.Constant(I64, 128 + 32 * j)), _vec(I8, 32))
+            hs = [b.shl(b.and_(b.lshr(qh, _splat(I8, 32, 2 * t)), m3), _splat(I8, 32, 4))
+                  for t in range(4)]
+            q6 = [b.or_(b.and_(ql1, m4), hs[0]), b.or_(b.and_(ql2, m4), hs[1]),
+                  b.or_(b.lshr(ql1, _splat(I8, 32, 4)), hs[2]),
+                  b.or_(b.lshr(ql2, _splat(I8, 32, 4)), hs[3])]
+            for t in range(4):
+                q8t = o.load(xq, b.add(q8, ir.Constant(I64, 128 * j + 32 * t)), _vec(I8, 32))
+                p16 = b.sub(o.maddubs(q6[t], q8t), o.maddubs(_splat(I8, 32, 32), q8t))
+                # get_scale_shuffle(is): scale 2*is in lanes 0..7, 2*is + 1 in lanes 8..15
+                s = 4 * j + t
+                sc = b.shuffle_vector(scales, scales, _mask([2 * s] * 8 + [2 * s + 1] * 8))
+                sumi = b.add(sumi, o.maddwd(sc, p16))
+        acc = o.fma8(o.splat8(d), b.sitofp(sumi, _vec(F32, 8)), acc)
+        return acc, summs
+
+    return step
+
+
+_LEGACY = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0)
+_K = (GGMLType.Q4_K, GGMLType.Q6_K)
+SIMD_TYPES: frozenset[GGMLType] = frozenset(_LEGACY + _K)
+
+
+def _define(module: ir.Module, qtype: GGMLType) -> ir.Function:
+    """The type's vec_dot function in ``module`` (defined once per module)."""
+    name = f"picollama_vec_dot_{qtype.name.lower()}_{'avx2' if HAS_AVX2 else 'generic'}"
+    try:
+        return module.get_global(name)
+    except KeyError:
+        pass
+    fn = ir.Function(module, ir.FunctionType(F32, _ARGS), name)
+    fn.linkage = "internal"
+    fn.attributes.add("alwaysinline")
+    w, xq, xd, xs, nb = fn.args
+    entry = fn.append_basic_block("entry")
+    loop = fn.append_basic_block("loop")
+    done = fn.append_basic_block("done")
+    b = ir.IRBuilder(entry)
+    o = _Ops(b)
+    k_quant = qtype in _K
+    zero8 = ir.Constant(_vec(F32, 8), [ir.Constant(F32, 0.0)] * 8)
+    summs0 = (ir.Constant(_vec(F32, 4), [ir.Constant(F32, 0.0)] * 4)
+              if qtype == GGMLType.Q4_K else ir.Constant(F32, 0.0))
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(I64)
+    acc = b.phi(_vec(F32, 8))
+    summs = b.phi(summs0.type)
+    step = _k_quant_body(qtype) if k_quant else _legacy_body(qtype)
+    acc1, summs1 = step(o, w, xq, xd, xs, i, acc, summs)
+    i1 = b.add(i, ir.Constant(I64, 1))
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    i.add_incoming(i1, b.block)
+    acc.add_incoming(zero8, entry)
+    acc.add_incoming(acc1, b.block)
+    summs.add_incoming(summs0, entry)
+    summs.add_incoming(summs1, b.block)
+    b.cbranch(b.icmp_unsigned("<", i1, nb), loop, done)
+    b.position_at_end(done)
+    total = o.hsum_float_8(acc1)
+    if qtype == GGMLType.Q4_K:
+        # acc_m: + movehl, then lane 0 + lane 1
+        r = b.fadd(summs1, b.shuffle_vector(summs1, summs1, _mask([2, 3, 2, 3])))
+        m = b.fadd(b.extract_element(r, ir.Constant(I32, 0)),
+                   b.extract_element(r, ir.Constant(I32, 1)))
+        total = b.fadd(total, m)
+    elif qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
+        total = b.fadd(total, summs1)
+    b.ret(total)
+    return fn
+
+
+def _data_pointer(context, builder, arrty, arr, row):
+    """Pointer (as i8*) to row ``row`` of a 2-D array."""
+    ary = context.make_array(arrty)(context, builder, arr)
+    stride0 = cgutils.unpack_tuple(builder, ary.strides, 2)[0]
+    row = context.cast(builder, row[0], row[1], types.intp)
+    base = builder.bitcast(ary.data, I8.as_pointer())
+    return builder.gep(base, [builder.mul(row, stride0)])
+
+
+@functools.cache
+def _block(qtype: int) -> int:
+    return 256 if GGMLType(qtype) in _K else 32
+
+
+@intrinsic
+def vec_dot(typingctx, qtype, w, r, xq, xd, xs, bsums, i):
+    """``vec_dot(qtype, w, r, xq, xd, xs, bsums, i)``: ggml's vec_dot of weight row ``r`` and
+    activation row ``i`` (see the module docstring), float32."""
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    qt = GGMLType(qtype.literal_value)
+    if qt not in SIMD_TYPES:
+        return None
+    sig = types.float32(qtype, w, r, xq, xd, xs, bsums, i)
+
+    def codegen(context, builder, signature, args):
+        _, w_t, r_t, xq_t, xd_t, xs_t, bs_t, i_t = signature.args
+        _, w_v, r_v, xq_v, xd_v, xs_v, bs_v, i_v = args
+        fn = _define(builder.module, qt)
+        wp = _data_pointer(context, builder, w_t, w_v, (r_v, r_t))
+        xqp = _data_pointer(context, builder, xq_t, xq_v, (i_v, i_t))
+        xdp = builder.bitcast(_data_pointer(context, builder, xd_t, xd_v, (i_v, i_t)),
+                              F32.as_pointer())
+        if qt in _K:
+            xsp = _data_pointer(context, builder, bs_t, bs_v, (i_v, i_t))
+        elif qt in (GGMLType.Q4_1, GGMLType.Q5_1):
+            xsp = _data_pointer(context, builder, xs_t, xs_v, (i_v, i_t))
+        else:
+            xsp = ir.Constant(I8.as_pointer(), None)
+        ary = context.make_array(xq_t)(context, builder, xq_v)
+        k = cgutils.unpack_tuple(builder, ary.shape, 2)[1]
+        nb = builder.udiv(k, ir.Constant(k.type, _block(int(qt))))
+        return builder.call(fn, [wp, xqp, xdp, xsp, nb])
+
+    return sig, codegen
