@@ -39,8 +39,13 @@ from numba.extending import overload
 
 from picollama.backends.cpu import qdot_unpack as U
 from picollama.backends.cpu.intrinsics import f32_from_bits, load_f16, load_u16, load_u32, opaque
-from picollama.backends.cpu.qdot_act import VEC_DOT_TYPE, quantize_rows
-from picollama.backends.cpu.simd import SIMD_TYPES, vec_dot
+from picollama.backends.cpu.qdot_act import (
+    VEC_DOT_TYPE,
+    _quantize_q8_0,
+    _quantize_q8_k,
+    quantize_rows,
+)
+from picollama.backends.cpu.simd import SIMD_TYPES, vec_dot_rows
 from picollama.gguf.constants import GGML_TYPES, QK_K, GGMLType
 
 __all__ = ["SUPPORTED_TYPES", "supports", "matmul_q8", "vec_dot_type"]
@@ -196,22 +201,54 @@ def _quant_kernel(qtype: int):
 
 @functools.cache
 def _simd_kernel(qtype: int):
-    """The parallel kernel of a type with a SIMD block dot (``simd.vec_dot``): the weight
-    rows are split among tasks; each row is read from memory once per tile of x rows."""
+    """One call for a type with a SIMD block dot (``simd.vec_dot_rows``): the activation rows
+    are quantized (in parallel over rows), then the weight rows are split among tasks and
+    each row is read once per tile of x rows, dotted with four x rows at a time."""
     qtype = int(qtype)
+    vtype = VEC_DOT_TYPE[GGMLType(qtype)]
+    k_quant = vtype == GGMLType.Q8_K
+    with_sum = vtype == GGMLType.Q8_1
 
     @njit(cache=True, parallel=True)
-    def kernel(xq, xd, xs, bsums, w, out, n_tasks):
+    def kernel(x, w, out, n_tasks):
+        n, k = x.shape
         m = w.shape[0]
-        n = xq.shape[0]
+        xq = np.empty((n, k), np.int8)
+        nb = k // 32
+        if k_quant:
+            xd = np.empty((n, k // QK_K), np.float32)
+            bsums = np.empty((n, k // 16), np.int32)
+            xs = np.empty((n, 0), np.float32)
+            if n < 8:  # a parallel region costs more than a few rows take
+                _quantize_q8_k(x, xq, xd, bsums)
+            else:
+                for i in prange(n):
+                    _quantize_q8_k(x[i : i + 1], xq[i : i + 1], xd[i : i + 1], bsums[i : i + 1])
+        else:
+            xd = np.empty((n, nb), np.float32)
+            xs = np.empty((n, nb if with_sum else 0), np.float32)
+            bsums = np.empty((n, 0), np.int32)
+            dbits = np.empty((n, nb), np.uint16)
+            sbits = np.empty((n, nb if with_sum else 0), np.uint16)
+            if n < 8:
+                _quantize_q8_0(x, xq, xd, dbits, xs, sbits, with_sum)
+            else:
+                for i in prange(n):
+                    _quantize_q8_0(x[i : i + 1], xq[i : i + 1], xd[i : i + 1], dbits[i : i + 1],
+                                   xs[i : i + 1], sbits[i : i + 1], with_sum)
         for t in prange(n_tasks):
             r_lo = t * m // n_tasks
             r_hi = (t + 1) * m // n_tasks
             for i0 in range(0, n, TILE_ROWS):
                 i1 = min(n, i0 + TILE_ROWS)
                 for r in range(r_lo, r_hi):
-                    for i in range(i0, i1):
-                        out[i, r] = vec_dot(qtype, w, r, xq, xd, xs, bsums, i)
+                    i = i0
+                    while i + 4 <= i1:
+                        vec_dot_rows(qtype, 4, w, r, xq, xd, xs, bsums, i, out)
+                        i += 4
+                    while i < i1:
+                        vec_dot_rows(qtype, 1, w, r, xq, xd, xs, bsums, i, out)
+                        i += 1
 
     return kernel
 
@@ -286,11 +323,12 @@ def matmul_q8(x: np.ndarray, w: np.ndarray, qtype, k: int) -> np.ndarray:
     out = np.empty((n, m), np.float32)
     if n == 0 or m == 0:
         return out
+    if qtype in SIMD_TYPES:
+        _simd_kernel(int(qtype))(x, wv, out, _n_tasks(m))
+        return out
     q = quantize_rows(x, VEC_DOT_TYPE[qtype])
     if qtype in _FLOAT:
         _float_kernel(int(qtype))(q.qs, wv, out, k, _n_tasks(m))
-    elif qtype in SIMD_TYPES:
-        _simd_kernel(int(qtype))(q.qs, q.d, q.s, q.bsums, wv, out, _n_tasks(m))
     else:
         _quant_kernel(int(qtype))(q.qs, q.d, q.s, q.bsums, wv, out, k, _n_tasks(m))
     return out

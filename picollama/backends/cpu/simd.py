@@ -18,10 +18,11 @@ follow, so its results differ from ggml's in float32 rounding only. On an x86 CP
 byte products use the x86 intrinsics; elsewhere the same values come from portable LLVM
 vector code (widen, multiply, add adjacent pairs), which LLVM lowers for any target.
 
-``vec_dot(qtype, w, r, xq, xd, xs, bsums, i)`` (a Numba intrinsic, ``qtype`` a literal)
-calls the type's function on row ``r`` of the weights ``w`` (uint8 (m, row_bytes)) and
-row ``i`` of the quantized activations (``qdot_act.quantize_rows``: int8 quants ``xq``,
-float32 block scales ``xd``, Q8_1 sums ``xs``, Q8_K ``bsums``).
+``vec_dot_rows(qtype, n, w, r, xq, xd, xs, bsums, i, out)`` (a Numba intrinsic, ``qtype``
+and ``n`` literals) dots row ``r`` of the weights ``w`` (uint8 (m, row_bytes)) with rows
+``i..i+n-1`` of the quantized activations (``qdot_act.quantize_rows``: int8 quants ``xq``,
+float32 block scales ``xd``, Q8_1 sums ``xs``, Q8_K ``bsums``) into column ``r`` of
+``out``; the weight block is unpacked once for the ``n`` rows (prefill).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from numba.extending import intrinsic
 
 from picollama.gguf.constants import GGMLType
 
-__all__ = ["SIMD_TYPES", "HAS_AVX2", "vec_dot"]
+__all__ = ["SIMD_TYPES", "HAS_AVX2", "vec_dot_rows"]
 
 HAS_AVX2 = llvm.get_process_triple().startswith("x86_64") and "+avx2" in (
     llvm.get_host_cpu_features().flatten() or ""
@@ -306,62 +307,84 @@ _K = (GGMLType.Q4_K, GGMLType.Q6_K)
 SIMD_TYPES: frozenset[GGMLType] = frozenset(_LEGACY + _K)
 
 
-def _define(module: ir.Module, qtype: GGMLType) -> ir.Function:
-    """The type's vec_dot function in ``module`` (defined once per module)."""
-    name = f"picollama_vec_dot_{qtype.name.lower()}_{'avx2' if HAS_AVX2 else 'generic'}"
+def _define(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
+    """The type's vec_dot of one weight row with ``n_rows`` activation rows, in ``module``.
+
+    ``f(w, xq, xq_stride, xd, xd_stride, xs, xs_stride, nb, out, out_stride)``: row r of
+    the activations starts ``r * stride`` bytes after ``xq``, ``xd`` and ``xs``; its dot is
+    stored at ``out + r * out_stride`` bytes. Each block's weights are loaded and unpacked
+    once for all the rows (the per-row steps repeat the same pure operations on them, and
+    LLVM keeps one copy); every row keeps its own accumulators, so each result is the
+    single-row vec_dot's, bit for bit.
+    """
+    name = (f"picollama_vec_dot_{qtype.name.lower()}_x{n_rows}_"
+            f"{'avx2' if HAS_AVX2 else 'generic'}")
     try:
         return module.get_global(name)
     except KeyError:
         pass
-    fn = ir.Function(module, ir.FunctionType(F32, _ARGS), name)
+    p8 = I8.as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [p8, p8, I64, p8, I64, p8, I64, I64, p8, I64])
+    fn = ir.Function(module, fnty, name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
-    w, xq, xd, xs, nb = fn.args
+    w, xq, sq, xd, sd, xs, ss, nb, out, so = fn.args
     entry = fn.append_basic_block("entry")
     loop = fn.append_basic_block("loop")
     done = fn.append_basic_block("done")
     b = ir.IRBuilder(entry)
     o = _Ops(b)
-    k_quant = qtype in _K
+
+    def row(ptr, stride, r):
+        return b.gep(ptr, [b.mul(ir.Constant(I64, r), stride)])
+
+    rows = [
+        (row(xq, sq, r), b.bitcast(row(xd, sd, r), F32.as_pointer()), row(xs, ss, r))
+        for r in range(n_rows)
+    ]
     zero8 = ir.Constant(_vec(F32, 8), [ir.Constant(F32, 0.0)] * 8)
     summs0 = (ir.Constant(_vec(F32, 4), [ir.Constant(F32, 0.0)] * 4)
               if qtype == GGMLType.Q4_K else ir.Constant(F32, 0.0))
     b.branch(loop)
     b.position_at_end(loop)
     i = b.phi(I64)
-    acc = b.phi(_vec(F32, 8))
-    summs = b.phi(summs0.type)
-    step = _k_quant_body(qtype) if k_quant else _legacy_body(qtype)
-    acc1, summs1 = step(o, w, xq, xd, xs, i, acc, summs)
+    accs = [b.phi(_vec(F32, 8)) for _ in range(n_rows)]
+    summs = [b.phi(summs0.type) for _ in range(n_rows)]
+    step = _k_quant_body(qtype) if qtype in _K else _legacy_body(qtype)
+    new = [step(o, w, xqr, xdr, xsr, i, acc, sm)
+           for (xqr, xdr, xsr), acc, sm in zip(rows, accs, summs, strict=True)]
     i1 = b.add(i, ir.Constant(I64, 1))
     i.add_incoming(ir.Constant(I64, 0), entry)
     i.add_incoming(i1, b.block)
-    acc.add_incoming(zero8, entry)
-    acc.add_incoming(acc1, b.block)
-    summs.add_incoming(summs0, entry)
-    summs.add_incoming(summs1, b.block)
+    for phi, (acc1, _) in zip(accs, new, strict=True):
+        phi.add_incoming(zero8, entry)
+        phi.add_incoming(acc1, b.block)
+    for phi, (_, sm1) in zip(summs, new, strict=True):
+        phi.add_incoming(summs0, entry)
+        phi.add_incoming(sm1, b.block)
     b.cbranch(b.icmp_unsigned("<", i1, nb), loop, done)
     b.position_at_end(done)
-    total = o.hsum_float_8(acc1)
-    if qtype == GGMLType.Q4_K:
-        # acc_m: + movehl, then lane 0 + lane 1
-        r = b.fadd(summs1, b.shuffle_vector(summs1, summs1, _mask([2, 3, 2, 3])))
-        m = b.fadd(b.extract_element(r, ir.Constant(I32, 0)),
-                   b.extract_element(r, ir.Constant(I32, 1)))
-        total = b.fadd(total, m)
-    elif qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
-        total = b.fadd(total, summs1)
-    b.ret(total)
+    for r, (acc1, sm1) in enumerate(new):
+        total = o.hsum_float_8(acc1)
+        if qtype == GGMLType.Q4_K:
+            # acc_m: + movehl, then lane 0 + lane 1
+            t = b.fadd(sm1, b.shuffle_vector(sm1, sm1, _mask([2, 3, 2, 3])))
+            m = b.fadd(b.extract_element(t, ir.Constant(I32, 0)),
+                       b.extract_element(t, ir.Constant(I32, 1)))
+            total = b.fadd(total, m)
+        elif qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
+            total = b.fadd(total, sm1)
+        b.store(total, b.bitcast(row(out, so, r), F32.as_pointer()))
+    b.ret_void()
     return fn
 
 
-def _data_pointer(context, builder, arrty, arr, row):
-    """Pointer (as i8*) to row ``row`` of a 2-D array."""
+def _array_parts(context, builder, arrty, arr):
+    """(data as i8*, stride of axis 0 in bytes, length of axis 1) of a 2-D array."""
     ary = context.make_array(arrty)(context, builder, arr)
     stride0 = cgutils.unpack_tuple(builder, ary.strides, 2)[0]
-    row = context.cast(builder, row[0], row[1], types.intp)
-    base = builder.bitcast(ary.data, I8.as_pointer())
-    return builder.gep(base, [builder.mul(row, stride0)])
+    n1 = cgutils.unpack_tuple(builder, ary.shape, 2)[1]
+    return builder.bitcast(ary.data, I8.as_pointer()), stride0, n1
 
 
 @functools.cache
@@ -370,33 +393,46 @@ def _block(qtype: int) -> int:
 
 
 @intrinsic
-def vec_dot(typingctx, qtype, w, r, xq, xd, xs, bsums, i):
-    """``vec_dot(qtype, w, r, xq, xd, xs, bsums, i)``: ggml's vec_dot of weight row ``r`` and
-    activation row ``i`` (see the module docstring), float32."""
-    if not isinstance(qtype, types.IntegerLiteral):
+def vec_dot_rows(typingctx, qtype, n_rows, w, r, xq, xd, xs, bsums, i, out):
+    """``vec_dot_rows(qtype, n_rows, w, r, xq, xd, xs, bsums, i, out)``: for k in
+    0..n_rows-1, ``out[i + k, r]`` = ggml's vec_dot of weight row ``r`` with activation row
+    ``i + k`` (see the module docstring). ``qtype`` and ``n_rows`` are literals."""
+    if not (isinstance(qtype, types.IntegerLiteral) and isinstance(n_rows, types.IntegerLiteral)):
         return None
     qt = GGMLType(qtype.literal_value)
     if qt not in SIMD_TYPES:
         return None
-    sig = types.float32(qtype, w, r, xq, xd, xs, bsums, i)
+    count = n_rows.literal_value
+    sig = types.void(qtype, n_rows, w, r, xq, xd, xs, bsums, i, out)
 
     def codegen(context, builder, signature, args):
-        _, w_t, r_t, xq_t, xd_t, xs_t, bs_t, i_t = signature.args
-        _, w_v, r_v, xq_v, xd_v, xs_v, bs_v, i_v = args
-        fn = _define(builder.module, qt)
-        wp = _data_pointer(context, builder, w_t, w_v, (r_v, r_t))
-        xqp = _data_pointer(context, builder, xq_t, xq_v, (i_v, i_t))
-        xdp = builder.bitcast(_data_pointer(context, builder, xd_t, xd_v, (i_v, i_t)),
-                              F32.as_pointer())
+        _, _, w_t, r_t, xq_t, xd_t, xs_t, bs_t, i_t, out_t = signature.args
+        _, _, w_v, r_v, xq_v, xd_v, xs_v, bs_v, i_v, out_v = args
+        fn = _define(builder.module, qt, count)
+        intp = context.get_value_type(types.intp)
+        r_ = context.cast(builder, r_v, r_t, types.intp)
+        i_ = context.cast(builder, i_v, i_t, types.intp)
+
+        def at(ptr, stride, row, col_bytes=None):
+            p = builder.gep(ptr, [builder.mul(row, stride)])
+            return p if col_bytes is None else builder.gep(p, [col_bytes])
+
+        wd, ws, _ = _array_parts(context, builder, w_t, w_v)
+        qd, qs, k = _array_parts(context, builder, xq_t, xq_v)
+        dd, ds, _ = _array_parts(context, builder, xd_t, xd_v)
         if qt in _K:
-            xsp = _data_pointer(context, builder, bs_t, bs_v, (i_v, i_t))
+            sd_, ss, _ = _array_parts(context, builder, bs_t, bs_v)
         elif qt in (GGMLType.Q4_1, GGMLType.Q5_1):
-            xsp = _data_pointer(context, builder, xs_t, xs_v, (i_v, i_t))
+            sd_, ss, _ = _array_parts(context, builder, xs_t, xs_v)
         else:
-            xsp = ir.Constant(I8.as_pointer(), None)
-        ary = context.make_array(xq_t)(context, builder, xq_v)
-        k = cgutils.unpack_tuple(builder, ary.shape, 2)[1]
+            sd_, ss = ir.Constant(I8.as_pointer(), None), ir.Constant(intp, 0)
+        od, os_, _ = _array_parts(context, builder, out_t, out_v)
         nb = builder.udiv(k, ir.Constant(k.type, _block(int(qt))))
-        return builder.call(fn, [wp, xqp, xdp, xsp, nb])
+        col = builder.mul(r_, ir.Constant(intp, 4))  # float32 columns of out
+        builder.call(fn, [
+            at(wd, ws, r_), at(qd, qs, i_), qs, at(dd, ds, i_), ds,
+            at(sd_, ss, i_), ss, nb, at(od, os_, i_, col), os_,
+        ])
+        return context.get_dummy_value()
 
     return sig, codegen
