@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as err:
             print(f"picollama-bench: llama-bench did not run: {err}", file=sys.stderr)
 
-    bandwidth = measure_bandwidth()
+    # a GPU backend measures its own device memory (measure_bandwidth); the CPU a numpy copy
+    device_bandwidth = getattr(ctx.backend, "measure_bandwidth", None)
+    bandwidth = device_bandwidth() if device_bandwidth else measure_bandwidth()
     # a decode step reads every weight once (the KV cache is small next to it here)
     ceiling = bandwidth / weight_bytes
     header = "| model | size | params | backend | threads | test | t/s |"
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                 row += " - | - |"
         print(row)
     print(
-        f"\nmemory bandwidth {bandwidth / 1e9:.1f} GB/s (numpy copy); decode ceiling "
+        f"\nmemory bandwidth {bandwidth / 1e9:.1f} GB/s "
+        f"({'device copy' if device_bandwidth else 'numpy copy'}); decode ceiling "
         f"{ceiling:.1f} tokens/s for {_fmt_size(weight_bytes)} of weights",
         end="",
     )

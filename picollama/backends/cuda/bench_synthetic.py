@@ -1,0 +1,278 @@
+"""Throughput of the CUDA backend on synthetic Llama-shaped models (pp512 / tg128).
+
+    python -m picollama.backends.cuda.bench_synthetic [--models 135m-q4_k_m,8b-q4_k_m]
+        [--dir /tmp/picollama-synth] [-p 512] [-n 128] [-r 3]
+
+Writes GGUF files with the shapes of SmolLM2-135M, Llama-3.2-1B and Llama-3-8B (random
+weights drawn with fixed seeds, quantized like Q4_K_M: Q4_K, with Q6_K for ffn_down and the
+output matrix; and Q8_0 for the 135M shape), then runs each in a fresh process: pp<N> is
+tokens/s of one prompt batch of N tokens, tg<N> of N tokens decoded one at a time (CUDA
+graphs), each the mean of -r runs after a warm-up. The decode ceiling is the device's
+memory bandwidth (a device-to-device copy, bytes read plus written) over the model file's
+bytes: a token reads every weight once.
+
+Only the byte format matters for speed, so the blocks are random bytes with their scale
+fields set to small finite fp16 values (quantizing 8B weights with the numpy reference
+quantizer would take hours). Tensors whose rows are not a multiple of 256 fall back as in
+llama.cpp (Q4_K -> Q5_0, Q6_K -> Q8_0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SHAPES", "MIXES", "write_model", "main"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_embd: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    tied: bool
+    rope_base: float
+
+
+SHAPES = {
+    "135m": Shape(576, 30, 9, 3, 64, 1536, 49152, True, 100000.0),  # SmolLM2-135M
+    "1b": Shape(2048, 16, 32, 8, 64, 8192, 128256, True, 500000.0),  # Llama-3.2-1B
+    "8b": Shape(4096, 32, 32, 8, 128, 14336, 128256, False, 500000.0),  # Llama-3-8B
+}
+
+# mix -> (default type, type of ffn_down / output / tied embeddings)
+MIXES = {"q4_k_m": ("Q4_K", "Q6_K"), "q8_0": ("Q8_0", "Q8_0")}
+_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # rows not a multiple of 256
+
+# offsets of the fp16 scale fields that must hold finite values, per type
+_SCALE_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,)}
+
+
+def _random_tensor(rng, qtype_name: str, k: int, m: int) -> tuple[np.ndarray, int]:
+    from picollama.gguf.constants import GGML_TYPES, GGMLType
+
+    qtype = GGMLType[qtype_name]
+    info = GGML_TYPES[qtype]
+    n_blocks = m * k // info.block_size
+    blocks = rng.integers(0, 256, size=(n_blocks, info.type_size), dtype=np.uint8)
+    # a small scale: weights of size ~1/sqrt(k), whatever the random codes are
+    scale = np.array([1.0 / (np.sqrt(k) * 64.0)], dtype=np.float16).view(np.uint8)
+    for off in _SCALE_FIELDS[qtype_name]:
+        blocks[:, off : off + 2] = scale
+    return blocks.reshape(m, -1), qtype
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 256))
+    out, n = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + n))
+            n += 1
+    return out
+
+
+def write_model(path: str, shape_name: str, mix: str, seed: int = 0) -> int:
+    """Write a synthetic Llama-shaped model; returns the bytes of its tensors."""
+    from picollama.gguf import GGUFWriter
+
+    s = SHAPES[shape_name]
+    main_type, big_type = MIXES[mix]
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path, arch="llama")
+    w.add_uint32("llama.block_count", s.n_layers)
+    w.add_uint32("llama.context_length", 8192)
+    w.add_uint32("llama.embedding_length", s.n_embd)
+    w.add_uint32("llama.feed_forward_length", s.n_ff)
+    w.add_uint32("llama.attention.head_count", s.n_heads)
+    w.add_uint32("llama.attention.head_count_kv", s.n_kv_heads)
+    w.add_uint32("llama.attention.key_length", s.head_dim)
+    w.add_uint32("llama.attention.value_length", s.head_dim)
+    w.add_uint32("llama.rope.dimension_count", s.head_dim)
+    w.add_float32("llama.rope.freq_base", s.rope_base)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_uint32("llama.vocab_size", s.n_vocab)
+    # GPT-2 byte tokens, then placeholders up to the vocabulary size
+    tokens = _byte_tokens() + [f"<t{i}>" for i in range(256, s.n_vocab)]
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", np.ones(s.n_vocab, dtype=np.int32))
+    w.add_array("tokenizer.ggml.merges", ["Ġ Ġ"])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 256)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 257)
+
+    total = 0
+
+    def matrix(name, k, m, qtype_name):
+        nonlocal total
+        if k % 256 and qtype_name in _FALLBACK:
+            qtype_name = _FALLBACK[qtype_name]
+        raw, qtype = _random_tensor(rng, qtype_name, k, m)
+        w.add_tensor(name, raw, ggml_type=qtype, shape=(k, m))
+        total += raw.nbytes
+
+    def vector(name, n):
+        nonlocal total
+        v = (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        w.add_tensor(name, v)
+        total += v.nbytes
+
+    d, hd = s.n_embd, s.head_dim
+    matrix("token_embd.weight", d, s.n_vocab, big_type if s.tied else main_type)
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        vector(p + "attn_norm.weight", d)
+        matrix(p + "attn_q.weight", d, s.n_heads * hd, main_type)
+        matrix(p + "attn_k.weight", d, s.n_kv_heads * hd, main_type)
+        matrix(p + "attn_v.weight", d, s.n_kv_heads * hd, main_type)
+        matrix(p + "attn_output.weight", s.n_heads * hd, d, main_type)
+        vector(p + "ffn_norm.weight", d)
+        matrix(p + "ffn_gate.weight", d, s.n_ff, main_type)
+        matrix(p + "ffn_up.weight", d, s.n_ff, main_type)
+        matrix(p + "ffn_down.weight", s.n_ff, d, big_type)
+    vector("output_norm.weight", d)
+    if not s.tied:
+        matrix("output.weight", d, s.n_vocab, big_type)
+    w.write()
+    return total
+
+
+def _run_one(path: str, n_prompt: int, n_gen: int, reps: int, graphs: bool) -> dict:
+    """Load one model on the CUDA backend and time pp/tg (runs in its own process)."""
+    from picollama.backends.cuda.backend import CUDABackend
+    from picollama.generation import Context
+    from picollama.tools.bench import _run_pp, _run_tg
+
+    t0 = time.perf_counter()
+    backend = CUDABackend(graphs=graphs)
+    ctx = Context(path, n_ctx=max(n_prompt, n_gen), n_batch=n_prompt, backend=backend)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    result = {"load_s": load_s, "memory": backend.memory_report()}
+    for name, fn, n in (("pp", _run_pp, n_prompt), ("tg", _run_tg, n_gen)):
+        fn(ctx, min(n, 16), rng)  # warm-up: compiles kernels, records the decode graph
+        runs = [fn(ctx, n, rng) for _ in range(reps)]
+        result[f"{name}{n}"] = (float(np.mean(runs)), float(np.std(runs)))
+    result["graph_stats"] = dict(backend.graph_stats)
+    result["bandwidth"] = backend.measure_bandwidth()
+    result["device"] = backend.device_name
+    return result
+
+
+def kernel_bench(reps: int = 50) -> list[tuple[str, float, float]]:
+    """(name, microseconds, GB/s of weight bytes) of single-token matvecs of 8B shapes."""
+    import cupy as cp
+
+    from picollama.backends.cuda.backend import CUDABackend
+
+    be = CUDABackend(graphs=False)
+    rng = np.random.default_rng(0)
+    out = []
+    for qtype_name, k, m in (
+        ("Q4_K", 4096, 14336),
+        ("Q6_K", 14336, 4096),
+        ("Q4_K", 4096, 4096),
+        ("Q4_K", 4096, 1024),
+        ("Q8_0", 576, 1536),
+        ("Q6_K", 4096, 128256),
+    ):
+        raw, qtype = _random_tensor(rng, qtype_name, k, m)
+        w = be.weight("w", qtype, (k, m), raw)
+        x = be.from_host(rng.standard_normal((1, k)).astype(np.float32))
+        for _ in range(3):
+            be.matmul(x, w)
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        with be._stream:
+            start.record(be._stream)
+            for _ in range(reps):
+                be.matmul(x, w)
+            stop.record(be._stream)
+        stop.synchronize()
+        us = cp.cuda.get_elapsed_time(start, stop) * 1000 / reps
+        out.append((f"{qtype_name} {m}x{k}", us, raw.nbytes / (us * 1e-6) / 1e9))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="135m-q4_k_m,135m-q8_0,1b-q4_k_m,8b-q4_k_m")
+    p.add_argument("--dir", default="/tmp/picollama-synth")
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("-r", "--repetitions", type=int, default=3)
+    p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one model, in-process
+    p.add_argument("--kernels", action="store_true", help="time single matvecs and exit")
+    args = p.parse_args(argv)
+
+    if args.kernels:
+        for name, us, gbs in kernel_bench():
+            print(f"matvec {name}: {us:8.1f} us  {gbs:7.0f} GB/s (eager launch, includes gaps)")
+        return 0
+
+    if args.run:
+        res = _run_one(args.run, args.n_prompt, args.n_gen, args.repetitions, not args.no_graphs)
+        print("RESULT " + json.dumps(res))
+        return 0
+
+    os.makedirs(args.dir, exist_ok=True)
+    rows = []
+    for spec in args.models.split(","):
+        shape_name, mix = spec.split("-", 1)
+        path = os.path.join(args.dir, f"synth-{spec}.gguf")
+        if not os.path.exists(path):
+            t0 = time.perf_counter()
+            write_model(path, shape_name, mix, seed=zlib.crc32(spec.encode()))
+            print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+        cmd = [sys.executable, "-m", "picollama.backends.cuda.bench_synthetic", "--run", path]
+        cmd += ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions)]
+        if args.no_graphs:
+            cmd.append("--no-graphs")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(f"{spec}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
+            continue
+        res = json.loads(lines[-1][len("RESULT ") :])
+        size = os.path.getsize(path)
+        ceiling = res["bandwidth"] / size
+        pp = res[f"pp{args.n_prompt}"]
+        tg = res[f"tg{args.n_gen}"]
+        rows.append((spec, size, pp, tg, res["bandwidth"], ceiling, res))
+        print(f"{spec}: {json.dumps(res)}", flush=True)
+
+    print()
+    print(
+        f"| model | file | pp{args.n_prompt} t/s | tg{args.n_gen} t/s | "
+        "ceiling t/s | tg / ceiling |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for spec, size, pp, tg, _bw, ceiling, _ in rows:
+        print(
+            f"| {spec} | {size / 2**20:.0f} MiB | {pp[0]:.0f} ± {pp[1]:.0f} | "
+            f"{tg[0]:.1f} ± {tg[1]:.1f} | {ceiling:.0f} | {tg[0] / ceiling:.0%} |"
+        )
+    if rows:
+        dev = rows[0][6]["device"]
+        print(f"\n{dev}; device bandwidth {rows[0][4] / 1e9:.0f} GB/s (copy, read + write)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+// Helpers shared by the CUDA backend's kernels (included into every module's source).
+//
+// No CUDA headers are included: NVRTC compiles these without cuda_fp16.h or the C
+// library, so they build wherever CuPy finds NVRTC. fp16 conversions are single PTX
+// instructions; small unsigned integers become floats through the exponent-bias trick
+// (2^23 + q has q in its mantissa), which is exact and avoids the slow I2F conversion.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+// q (0 <= q < 2^23) as a float, exactly: 2^23 + q has q in its mantissa.
+__device__ __forceinline__ float u2f(u32 q) {
+    return __uint_as_float(0x4B000000u | q) - 8388608.0f;
+}
+
+// q - offset as a float, exactly, for 0 <= q < 2^23 and small offsets.
+__device__ __forceinline__ float u2f_off(u32 q, float magic_plus_offset) {
+    return __uint_as_float(0x4B000000u | q) - magic_plus_offset;
+}
+
+__device__ __forceinline__ u32 ld_u32(const u8* p) { return __ldg((const u32*)p); }
+__device__ __forceinline__ u16 ld_u16(const u8* p) { return __ldg((const u16*)p); }
+__device__ __forceinline__ uint4 ld_u128(const u8* p) { return __ldg((const uint4*)p); }
+
+// byte i (0..3) of a 32-bit word
+__device__ __forceinline__ u32 byte_of(u32 w, int i) { return (w >> (8 * i)) & 0xFFu; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The four bytes of w as floats 2^23 + byte, minus `off` (exact): one PRMT and one FADD
+// per value. PRMT selector 0x765i puts byte i of w under the bytes 0x00, 0x00, 0x4B.
+__device__ __forceinline__ void bytes4(u32 w, float off, float* q) {
+    q[0] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650)) - off;
+    q[1] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7651)) - off;
+    q[2] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7652)) - off;
+    q[3] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7653)) - off;
+}

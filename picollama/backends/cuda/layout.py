@@ -1,0 +1,118 @@
+"""Where a weight's bytes live on the device, and the CUDA sources that read them.
+
+A ggml weight is a sequence of blocks (``Q6_K``: 210 bytes per 256 weights). On the device
+the same bytes are regrouped field by field ("field-major"): field f of every block is
+stored contiguously, starting on a 256-byte boundary, so that the kernels read each field
+with aligned 16-byte loads (a 210-byte block allows only 2-byte ones). Nothing is
+dequantized or re-rounded: the device copy holds the file's bytes, and as many of them
+(Q8_K's ``bsums``, which no kernel reads, are left out).
+
+The field tables below mirror the ``SZ0..SZ3`` constants of each type's struct in
+``quant.cu``: ``quant_source`` passes them in as macros and a ``static_assert`` there
+refuses to compile if the two disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from picollama.gguf.constants import GGML_TYPES, GGMLType
+
+__all__ = [
+    "FIELDS",
+    "SUPPORTED_TYPES",
+    "REGION_ALIGN",
+    "DeviceLayout",
+    "device_layout",
+    "chunk_block",
+    "ops_source",
+    "quant_source",
+]
+
+REGION_ALIGN = 256
+
+# type -> (weights per block as the kernels see it, [(byte offset in the ggml block, size)])
+# Float types are handled as "blocks" of 32 values.
+FIELDS: dict[GGMLType, tuple[int, tuple[tuple[int, int], ...]]] = {
+    GGMLType.F32: (32, ((0, 128),)),
+    GGMLType.F16: (32, ((0, 64),)),
+    GGMLType.BF16: (32, ((0, 64),)),
+    GGMLType.Q4_0: (32, ((0, 2), (2, 16))),  # d | qs
+    GGMLType.Q4_1: (32, ((0, 4), (4, 16))),  # d, m | qs
+    GGMLType.Q5_0: (32, ((0, 2), (2, 4), (6, 16))),  # d | qh | qs
+    GGMLType.Q5_1: (32, ((0, 4), (4, 4), (8, 16))),  # d, m | qh | qs
+    GGMLType.Q8_0: (32, ((0, 2), (2, 32))),  # d | qs
+    GGMLType.Q8_1: (32, ((0, 4), (4, 32))),  # d, s | qs
+    GGMLType.Q2_K: (256, ((0, 16), (16, 64), (80, 4))),  # scales | qs | d, dmin
+    GGMLType.Q3_K: (256, ((0, 32), (32, 64), (96, 12), (108, 2))),  # hmask | qs | scales | d
+    GGMLType.Q4_K: (256, ((0, 4), (4, 12), (16, 128))),  # d, dmin | scales | qs
+    GGMLType.Q5_K: (256, ((0, 4), (4, 12), (16, 32), (48, 128))),  # d, dmin | sc | qh | qs
+    GGMLType.Q6_K: (256, ((0, 128), (128, 64), (192, 16), (208, 2))),  # ql | qh | scales | d
+    GGMLType.Q8_K: (256, ((0, 4), (4, 256))),  # d | qs (bsums not uploaded)
+    GGMLType.IQ4_NL: (32, ((0, 2), (2, 16))),  # d | qs
+    GGMLType.IQ4_XS: (256, ((0, 2), (2, 2), (4, 4), (8, 128))),  # d | scales_h | scales_l | qs
+}
+
+SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(FIELDS)
+
+
+def _align(n: int) -> int:
+    return (n + REGION_ALIGN - 1) // REGION_ALIGN * REGION_ALIGN
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """The device copy of a weight of ``n_blocks`` blocks: its regions and total size."""
+
+    qtype: GGMLType
+    n_blocks: int
+    regions: tuple[tuple[int, int, int], ...]  # (device offset, offset in block, size)
+    nbytes: int
+
+
+def chunk_block(qtype: GGMLType) -> int:
+    """Weights per block as the kernels count them (32 for the float types)."""
+    return FIELDS[GGMLType(qtype)][0]
+
+
+def device_layout(qtype: GGMLType, k: int, m: int) -> DeviceLayout:
+    """The field-major layout of an ``m`` x ``k`` weight of ``qtype``."""
+    qtype = GGMLType(qtype)
+    block, fields = FIELDS[qtype]
+    n_blocks = m * (k // block)
+    regions, offset = [], 0
+    for src, size in fields:
+        regions.append((offset, src, size))
+        offset += _align(size * n_blocks)
+    return DeviceLayout(qtype, n_blocks, tuple(regions), offset)
+
+
+def ggml_block_bytes(qtype: GGMLType) -> int:
+    """Bytes of one kernel block in the file (32 values for the float types)."""
+    info = GGML_TYPES[GGMLType(qtype)]
+    return info.type_size * (chunk_block(qtype) // info.block_size)
+
+
+_HERE = Path(__file__).parent
+
+
+@cache
+def _read(name: str) -> str:
+    return (_HERE / name).read_text()
+
+
+def ops_source() -> str:
+    """CUDA C of the non-matmul ops (common helpers prepended)."""
+    return _read("common.cuh") + "\n" + _read("ops.cu")
+
+
+def quant_source(qtype: GGMLType) -> str:
+    """CUDA C of the matmul, dequantize and get_rows kernels of ``qtype``."""
+    qtype = GGMLType(qtype)
+    block, fields = FIELDS[qtype]
+    sizes = [size for _, size in fields] + [0] * (4 - len(fields))
+    defines = [f"#define QTYPE_{qtype.name} 1", f"#define LAYOUT_BLOCK {block}"]
+    defines += [f"#define LAYOUT_SZ{i} {size}" for i, size in enumerate(sizes)]
+    return "\n".join(defines) + "\n" + _read("common.cuh") + "\n" + _read("quant.cu")

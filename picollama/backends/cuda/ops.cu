@@ -1,0 +1,311 @@
+// The CUDA backend's non-matmul ops: RMS norm, RoPE, KV cache writes, attention, gated
+// activations and elementwise arithmetic. Activations are C-contiguous float32; the KV
+// cache is fp16 (stored as u16 bit patterns).
+//
+// Where the CPU reference (picollama/backends/cpu/ops.py) fixes an order of float32
+// operations, these kernels repeat it with __fmul_rn/__fadd_rn (which the compiler never
+// fuses into FMAs) and compute exp/tanh/cos/sin in double precision, as the CPU's
+// math.exp etc. do, so the two backends agree to the last bit or two. Positions and the
+// cache's start position are read from device memory, so a captured CUDA graph can be
+// replayed at any position.
+
+#define NEG_INF __int_as_float(0xff800000u)
+
+// ------------------------------------------------------------------------------- RMS norm
+
+// One block per row of d values: out = (x * (1 / sqrt(mean(x^2) + eps))) * w (w optional).
+// The sum of squares is accumulated in double, as ggml's CPU code does.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
+                                    float* __restrict__ out, int d, float eps, int has_w) {
+    __shared__ double part[32];
+    __shared__ float s_scale;
+    const float* xr = x + (i64)blockIdx.x * d;
+    float* orow = out + (i64)blockIdx.x * d;
+    double acc = 0.0;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        double v = (double)xr[j];
+        acc += v * v;
+    }
+    acc = warp_sum_d(acc);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = (blockDim.x + 31) >> 5;
+    if (lane == 0) part[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        double v = lane < n_warps ? part[lane] : 0.0;
+        v = warp_sum_d(v);
+        if (lane == 0) {
+            float mean = (float)(v / (double)d);
+            float root = (float)sqrt((double)__fadd_rn(mean, eps));
+            s_scale = 1.0f / root;
+        }
+    }
+    __syncthreads();
+    float scale = s_scale;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float v = __fmul_rn(xr[j], scale);
+        orow[j] = has_w ? __fmul_rn(v, w[j]) : v;
+    }
+}
+
+// ----------------------------------------------------------------------------------- RoPE
+
+// Block (t, h): head h of token t at position pos[t]; x and out are (n, n_heads, head_dim).
+// Pair i of the first n_rot dims turns by pos * freq_scale * theta_scale^i, the power taken
+// as ggml does: a float32 running product. Pairs are (2i, 2i+1), or (i, i + n_rot/2) for
+// NeoX. One thread per pair, so that every thread has one independent load.
+extern "C" __global__ void rope(const float* __restrict__ x, const int* __restrict__ pos,
+                                float* __restrict__ out, int n_heads, int head_dim, int n_rot,
+                                float theta_scale, float freq_scale, int neox) {
+    int t = blockIdx.x, h = blockIdx.y;
+    int half = n_rot / 2;
+    const float* xh = x + ((i64)t * n_heads + h) * head_dim;
+    float* oh = out + ((i64)t * n_heads + h) * head_dim;
+    float p = (float)pos[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        int a = neox ? i : 2 * i;
+        int b = neox ? i + half : 2 * i + 1;
+        float x0 = xh[a], x1 = xh[b];
+        float theta = p;
+        for (int s = 0; s < i; s++) theta = __fmul_rn(theta, theta_scale);
+        float angle = __fmul_rn(freq_scale, theta);
+        float c = (float)cos((double)angle);
+        float sn = (float)sin((double)angle);
+        oh[a] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        oh[b] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+    }
+    for (int j = n_rot + threadIdx.x; j < head_dim; j += blockDim.x) oh[j] = xh[j];
+}
+
+// ------------------------------------------------------------------------------- KV cache
+
+// Rows start .. start + n - 1 of the fp16 caches get k (n, kdim) and v (n, vdim), rounded to
+// nearest even; rows past n_ctx are dropped (the host checks the bound first).
+extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __restrict__ v,
+                                    u16* __restrict__ kc, u16* __restrict__ vc,
+                                    const int* __restrict__ start, int n, int kdim, int vdim,
+                                    int n_ctx) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    int s = *start;
+    i64 nk = (i64)n * kdim, nv = (i64)n * vdim;
+    if (idx < nk) {
+        int t = (int)(idx / kdim), j = (int)(idx % kdim);
+        if (s + t < n_ctx) kc[(i64)(s + t) * kdim + j] = f2h(k[idx]);
+    } else if (idx < nk + nv) {
+        i64 i2 = idx - nk;
+        int t = (int)(i2 / vdim), j = (int)(i2 % vdim);
+        if (s + t < n_ctx) vc[(i64)(s + t) * vdim + j] = f2h(v[i2]);
+    }
+}
+
+// ------------------------------------------------------------------------------ attention
+
+#define ATT_WARPS 4
+#define ATT_MAXD 256  // head_dim and head_dim_v at most this
+#define ATT_DPL (ATT_MAXD / 32)
+
+// Flash-attention style: no score matrix. Block (h, t, split) handles query head h of token
+// t (position start + t) against the keys of its split of the causal (and sliding-window)
+// range. Each warp takes tiles of 32 keys: lane j scores key j0 + j (a whole dot product
+// over head_dim, so the 32 keys' loads are in flight together), the tile's softmax weights
+// update the warp's online-softmax state, and then each lane accumulates its dims of the
+// weighted values (lane + 32 i), the weights broadcast by shuffles. The warps' states are
+// merged in shared memory. With one split the block writes the normalized output
+// (n, n_heads * hdv); with several it writes (max, sum, unnormalized output) to `part`
+// for attn_combine.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
+          const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, int hd, int hdv,
+          float scale, int window, float softcap, int chunk, float* __restrict__ out,
+          float* __restrict__ part) {
+    __shared__ float sq[ATT_MAXD];
+    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
+    __shared__ float sacc[ATT_WARPS][ATT_MAXD];
+    int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, n_splits = gridDim.z;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int pos = *start_ptr + t;
+    int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    int hi = pos + 1;  // causal: keys at positions <= pos
+    int s0 = lo + split * chunk;
+    int s1 = min(hi, s0 + chunk);
+    int kvh = h / (n_heads / n_kv_heads);
+    const float* qh = q + ((i64)t * n_heads + h) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) sq[d] = qh[d];
+    __syncthreads();
+
+    float m = NEG_INF, l = 0.f;
+    float acc[ATT_DPL];
+#pragma unroll
+    for (int i = 0; i < ATT_DPL; i++) acc[i] = 0.f;
+    i64 kstride = (i64)n_kv_heads * hd, vstride = (i64)n_kv_heads * hdv;
+    bool vec = (hd & 7) == 0;  // rows of 16-byte multiples: vector loads
+    for (int j0 = s0 + 32 * warp; j0 < s1; j0 += 32 * ATT_WARPS) {
+        int j = j0 + lane;
+        float s = NEG_INF;
+        if (j < s1) {
+            const u16* kr = kc + j * kstride + (i64)kvh * hd;
+            float dot = 0.f;
+            if (vec) {
+#pragma unroll 8
+                for (int d = 0; d < hd; d += 8) {
+                    uint4 v = __ldg((const uint4*)(kr + d));
+                    u32 w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        dot = fmaf(sq[d + 2 * e], h2f((u16)(w4[e] & 0xFFFFu)), dot);
+                        dot = fmaf(sq[d + 2 * e + 1], h2f((u16)(w4[e] >> 16)), dot);
+                    }
+                }
+            } else {
+                for (int d = 0; d < hd; d++) dot = fmaf(sq[d], h2f(kr[d]), dot);
+            }
+            s = dot * scale;
+            if (softcap > 0.f) s = (float)((double)softcap * tanh((double)(s / softcap)));
+        }
+        float m_new = fmaxf(m, warp_max(s));  // finite: key j0 is in range
+        float corr = expf(m - m_new);
+        float p = j < s1 ? expf(s - m_new) : 0.f;
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int i = 0; i < ATT_DPL; i++) acc[i] *= corr;
+        int count = min(32, s1 - j0);
+        // unrolled, so that the value rows' loads are in flight together
+#pragma unroll 8
+        for (int jj = 0; jj < 32; jj++) {
+            float pj = __shfl_sync(0xffffffffu, p, jj);
+            if (jj < count) {
+                const u16* vr = vc + (i64)(j0 + jj) * vstride + (i64)kvh * hdv;
+#pragma unroll
+                for (int i = 0; i < ATT_DPL; i++) {
+                    int d = lane + 32 * i;
+                    if (d < hdv) acc[i] = fmaf(pj, h2f(vr[d]), acc[i]);
+                }
+            }
+        }
+        m = m_new;
+    }
+    if (lane == 0) {
+        sm[warp] = m;
+        sl[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < ATT_DPL; i++) {
+        int d = lane + 32 * i;
+        if (d < hdv) sacc[warp][d] = acc[i];
+    }
+    __syncthreads();
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; w++) mx = fmaxf(mx, sm[w]);
+    float wt[ATT_WARPS];
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; w++) {
+        wt[w] = sm[w] > NEG_INF ? expf(sm[w] - mx) : 0.f;
+        total += sl[w] * wt[w];
+    }
+    i64 head = (i64)t * n_heads + h;
+    float* pp = part + (head * n_splits + split) * (hdv + 2);
+    for (int d = threadIdx.x; d < hdv; d += blockDim.x) {
+        float o = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; w++) o += sacc[w][d] * wt[w];
+        if (n_splits == 1) {
+            out[head * hdv + d] = o / total;
+        } else {
+            pp[2 + d] = o;
+        }
+    }
+    if (n_splits > 1 && threadIdx.x == 0) {
+        pp[0] = mx;
+        pp[1] = total;
+    }
+}
+
+// Merge the splits' (max, sum, unnormalized output) of each (token, head) into out.
+extern "C" __global__ void attn_combine(const float* __restrict__ part, float* __restrict__ out,
+                                        int n_heads, int hdv, int n_splits) {
+    int h = blockIdx.x, t = blockIdx.y;
+    i64 head = (i64)t * n_heads + h;
+    const float* pp = part + head * n_splits * (hdv + 2);
+    float mx = NEG_INF;
+    for (int s = 0; s < n_splits; s++) {
+        if (pp[s * (hdv + 2) + 1] > 0.f) mx = fmaxf(mx, pp[s * (hdv + 2)]);
+    }
+    float total = 0.f;
+    for (int s = 0; s < n_splits; s++) {
+        const float* ps = pp + s * (hdv + 2);
+        if (ps[1] > 0.f) total += ps[1] * expf(ps[0] - mx);
+    }
+    for (int d = threadIdx.x; d < hdv; d += blockDim.x) {
+        float o = 0.f;
+        for (int s = 0; s < n_splits; s++) {
+            const float* ps = pp + s * (hdv + 2);
+            if (ps[1] > 0.f) o += ps[2 + d] * expf(ps[0] - mx);
+        }
+        out[head * hdv + d] = o / total;
+    }
+}
+
+// ---------------------------------------------------------------------------- elementwise
+
+// out = a + b and out = a * b, b repeating every nb elements (a row-broadcast vector)
+extern "C" __global__ void add(const float* __restrict__ a, const float* __restrict__ b,
+                               float* __restrict__ out, i64 n, i64 nb) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __fadd_rn(a[i], b[nb == n ? i : i % nb]);
+}
+
+extern "C" __global__ void mul(const float* __restrict__ a, const float* __restrict__ b,
+                               float* __restrict__ out, i64 n, i64 nb) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __fmul_rn(a[i], b[nb == n ? i : i % nb]);
+}
+
+extern "C" __global__ void scale(const float* __restrict__ x, float s, float* __restrict__ out,
+                                 i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __fmul_rn(x[i], s);
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u
+extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __restrict__ u,
+                                    float* __restrict__ out, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float x = g[i];
+        float e = (float)exp(-(double)x);
+        out[i] = __fmul_rn(__fdiv_rn(x, __fadd_rn(1.0f, e)), u[i]);
+    }
+}
+
+// gelu(g) * u with ggml's tanh approximation, in ggml's order of float32 operations
+extern "C" __global__ void gelu_mul(const float* __restrict__ g, const float* __restrict__ u,
+                                    float* __restrict__ out, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float coef_a = 0.044715f;
+        const float sqrt_2_over_pi = 0.79788456080286535587989211986876f;
+        float x = g[i];
+        float inner = __fmul_rn(__fmul_rn(sqrt_2_over_pi, x),
+                                __fadd_rn(1.0f, __fmul_rn(__fmul_rn(coef_a, x), x)));
+        float th = (float)tanh((double)inner);
+        out[i] = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, th)), u[i]);
+    }
+}
+
+// cap * tanh(x / cap)
+extern "C" __global__ void softcap(const float* __restrict__ x, float cap,
+                                   float* __restrict__ out, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __fmul_rn((float)tanh((double)__fdiv_rn(x[i], cap)), cap);
+}
+
+// out[i, :] = x[rows[i], :] for rows of d floats
+extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* __restrict__ rows,
+                                       float* __restrict__ out, int n, int d) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx < (i64)n * d) {
+        int i = (int)(idx / d), j = (int)(idx % d);
+        out[idx] = x[(i64)rows[i] * d + j];
+    }
+}

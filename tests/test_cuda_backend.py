@@ -1,0 +1,271 @@
+"""CUDA backend: every op and every quant type against the references, on the GPU.
+
+Without CuPy or without a GPU the GPU tests skip with the reason (CI has no GPU); the
+layout and error-message tests run everywhere.
+
+Error bounds, and why:
+- Dequantization (get_rows) is bit-exact: the kernels repeat ggml's float32 operations in
+  order (``__fmul_rn``/``__fadd_rn``, no FMA contraction), so every type must equal
+  ``picollama.quant.dequantize`` exactly.
+- matmul for every type: the weights are dequantized exactly, so the only error is float32
+  summation, in any order (FMAs per lane then a shuffle tree for decode; cuBLAS SGEMM for
+  prefill). The classical bound for a float32 sum of k products is
+  ``|err| <= gamma_k * sum_j |x_j w_j|`` with ``gamma_k ~ k * 2**-24``; we allow
+  ``(k + 32) * 2**-24 * (|x| @ |W|^T)`` per output. The same bound holds for every type
+  because the type only changes the weights, not the arithmetic; TF32 or fp16 arithmetic
+  (10-bit mantissas) would break it by a factor of 2**13, and a wrong weight by far more.
+- Non-matmul ops follow the CPU backend's float32 operation order; see each test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from picollama.backends.base import BackendError, KVCache, get_backend
+from picollama.backends.cuda import layout
+from picollama.gguf.constants import GGML_TYPES, GGMLType
+from picollama.quant import dequantize, quantize
+
+
+def _cuda(**options):
+    try:
+        return get_backend("cuda", **options)
+    except BackendError as err:
+        pytest.skip(f"CUDA backend unavailable here: {err}")
+
+
+@pytest.fixture(scope="module")
+def be():
+    """An eager backend (no decode graphs), shared by the op tests."""
+    return _cuda(graphs=False)
+
+
+# -- no GPU needed ------------------------------------------------------------------------
+
+
+def test_layout_fields_fit_the_ggml_blocks():
+    """Every field lies inside the ggml block, fields don't overlap, and the kernel block is
+    a whole number of ggml blocks (quant.cu's static_assert checks the kernels' side)."""
+    for qtype, (block, fields) in layout.FIELDS.items():
+        info = GGML_TYPES[qtype]
+        assert block % info.block_size == 0 and block % 32 == 0
+        block_bytes = layout.ggml_block_bytes(qtype)
+        covered = np.zeros(block_bytes, int)
+        for src, size in fields:
+            assert 0 <= src and src + size <= block_bytes, (qtype.name, src, size)
+            covered[src : src + size] += 1
+        assert covered.max() == 1, qtype.name
+        # only Q8_K leaves bytes behind (its bsums, which no kernel reads)
+        assert covered.min() == 1 or qtype == GGMLType.Q8_K, qtype.name
+        assert f"#define LAYOUT_BLOCK {block}" in layout.quant_source(qtype)
+
+
+def test_device_layout_regions_are_aligned():
+    lay = layout.device_layout(GGMLType.Q6_K, 512, 7)
+    assert lay.n_blocks == 14
+    assert [r[0] % layout.REGION_ALIGN for r in lay.regions] == [0, 0, 0, 0]
+    assert lay.nbytes >= 14 * 210
+
+
+def test_unavailable_backend_says_why():
+    """Without CuPy or a GPU, asking for the backend is a BackendError naming the cause."""
+    try:
+        import cupy  # noqa: F401
+
+        have_cupy = True
+    except ImportError:
+        have_cupy = False
+    if have_cupy:
+        try:
+            get_backend("cuda")
+        except BackendError as err:
+            assert "GPU" in str(err) or "CUDA" in str(err)
+            return
+        pytest.skip("a GPU is present: nothing to refuse")
+    with pytest.raises(BackendError, match="CuPy"):
+        get_backend("cuda")
+
+
+# -- quantized weights ----------------------------------------------------------------------
+
+TYPES = sorted(layout.SUPPORTED_TYPES)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_get_rows_and_matmul_every_type(be, qtype):
+    rng = np.random.default_rng(1000 + int(qtype))
+    block = layout.chunk_block(qtype)
+    k = 3 * block if block == 256 else 7 * block  # several blocks, not a power of two
+    m = 131  # not a multiple of any tile
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    raw = quantize(w, qtype).reshape(m, -1)
+    W = dequantize(raw, qtype).reshape(m, k)
+    wt = be.weight("w", qtype, (k, m), raw)
+    assert be.supports("matmul", qtype)
+
+    ids = np.array([0, m - 1, 7, 7, 64])
+    rows = be.to_host(be.get_rows(wt, ids))
+    assert np.array_equal(rows, W[ids]), "dequantization must be bit-exact"
+
+    W64 = W.astype(np.float64)
+    for n in (1, 3, 8, 9, 37):  # matvec up to 8 rows, tiles + cuBLAS above
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        y = be.to_host(be.matmul(be.from_host(x), wt))
+        ref = x.astype(np.float64) @ W64.T
+        bound = (k + 32) * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(W64).T)
+        err = np.abs(y - ref)
+        assert y.shape == (n, m)
+        assert np.all(err <= bound), (n, float((err / (bound + 1e-30)).max()))
+        # shown with -s: the worst error as a share of the bound, and relative to |ref|max
+        rel = float(err.max() / np.abs(ref).max())
+        ratio = float((err / (bound + 1e-30)).max())
+        print(f"{qtype.name} n={n}: err/bound {ratio:.3f}, rel {rel:.2e}")
+
+
+def test_weight_rejects_bad_rows(be):
+    raw = np.zeros((2, GGML_TYPES[GGMLType.Q4_0].type_size), np.uint8)
+    with pytest.raises(BackendError, match="multiple of"):
+        be.weight("odd", GGMLType.F32, (20, 3), np.zeros(240, np.uint8))
+    with pytest.raises(BackendError, match="bytes of data"):
+        be.weight("short", GGMLType.Q4_0, (64, 2), raw)
+    with pytest.raises(BackendError, match="not supported"):
+        be.weight("iq2", GGMLType.IQ2_XXS, (256, 1), np.zeros(66, np.uint8))
+
+
+def test_model_that_does_not_fit_is_a_backend_error(be):
+    with pytest.raises(BackendError, match="does not fit"):
+        be.new_kv_cache(1, 1 << 30, 8, 128, 128)  # 4 TiB of fp16
+
+
+def test_memory_report(be):
+    rep = be.memory_report()
+    assert rep["weights"] > 0  # the type tests above loaded weights
+    assert rep["device_total"] >= rep["device_free"] > 0
+    assert set(rep) >= {"weights", "kv_cache", "workspace"}
+
+
+# -- ops against the CPU backend ------------------------------------------------------------
+
+
+def _rand(rng, *shape, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+def test_rms_norm(be):
+    """Same float32 steps as the CPU; only the float64 sum's order differs, which can move
+    the scale by one float32 ulp: 2 ulps per output (rtol 3e-7) with margin -> 1e-6."""
+    from picollama.backends.cpu import ops
+
+    rng = np.random.default_rng(1)
+    for shape, with_w in (((5, 333), True), ((3, 4, 64), True), ((2, 1000), False)):
+        x = _rand(rng, *shape, scale=3.0)
+        w = _rand(rng, shape[-1]) if with_w else None
+        got = be.to_host(be.rms_norm(be.from_host(x), None if w is None else be.from_host(w), 1e-5))
+        ref = ops.rms_norm(x, w, 1e-5)
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope(be, neox):
+    """Same running float32 product of angles and double-precision cos/sin as the CPU:
+    outputs agree to a couple of float32 ulps of the inputs (atol 1e-6 for |x| < 5)."""
+    from picollama.backends.cpu import ops
+
+    rng = np.random.default_rng(2)
+    n, n_heads, head_dim, n_rot = 6, 3, 48, 32  # n_rot < head_dim: the tail is copied
+    x = _rand(rng, n, n_heads, head_dim)
+    pos = np.array([0, 1, 17, 255, 1000, 4095])
+    got = be.to_host(be.rope(be.from_host(x), pos, n_rot, 10000.0, 0.5, neox))
+    ref = ops.rope(x, pos, n_rot, 10000.0, 0.5, neox)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
+
+
+ATT_CASES = [
+    # n, start, n_ctx, n_heads, n_kv_heads, hd, window, softcap
+    (1, 0, 64, 4, 4, 64, 0, 0.0),
+    (1, 500, 700, 8, 2, 64, 0, 0.0),  # decode over 2 splits, GQA
+    (1, 1500, 2000, 8, 1, 128, 0, 0.0),  # decode over 4 splits (one empty), MQA
+    (7, 20, 64, 8, 2, 128, 0, 0.0),  # prefill after a prefix
+    (40, 0, 96, 4, 1, 256, 16, 30.0),  # sliding window, softcap, MQA, head_dim 256
+    (3, 9, 33, 2, 1, 36, 5, 0.0),  # head_dim not a multiple of 8: scalar loads
+    (1, 300, 333, 4, 2, 128, 64, 50.0),  # decode, window inside a split
+]
+
+
+@pytest.mark.parametrize("case", ATT_CASES, ids=[str(c) for c in ATT_CASES])
+def test_store_kv_and_attention(be, case):
+    """Keys and values are rounded to fp16 for both backends (the CUDA cache is fp16), so
+    only float32 rounding of scores, exp and the weighted sums differs: outputs are convex
+    combinations of values of size ~1; atol 2e-5 is ~100 ulps, a wrong mask moves O(0.1)."""
+    from picollama.backends.cpu import ops
+
+    n, start, n_ctx, n_heads, n_kv, hd, window, softcap = case
+    rng = np.random.default_rng(hash(case) % 2**32)
+    k_all = _rand(rng, start + n, n_kv, hd).astype(np.float16).astype(np.float32)
+    v_all = _rand(rng, start + n, n_kv, hd).astype(np.float16).astype(np.float32)
+    q = _rand(rng, n, n_heads, hd)
+    cache = be.new_kv_cache(1, n_ctx, n_kv, hd, hd)
+    if start:
+        be.store_kv(cache, 0, be.from_host(k_all[:start]), be.from_host(v_all[:start]), 0)
+    be.store_kv(cache, 0, be.from_host(k_all[start:]), be.from_host(v_all[start:]), start)
+    stored = cache.k[0][: start + n].get().astype(np.float32)
+    np.testing.assert_array_equal(stored, k_all)
+    scale = 1.0 / np.sqrt(hd)
+    got = be.to_host(be.attention(be.from_host(q), cache, 0, start, scale, window, softcap))
+    kc = np.zeros((n_ctx, n_kv, hd), np.float32)
+    vc = np.zeros((n_ctx, n_kv, hd), np.float32)
+    kc[: start + n], vc[: start + n] = k_all, v_all
+    ref = ops.attention(q, kc, vc, start, scale, window, softcap)
+    assert got.shape == (n, n_heads * hd)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5)
+    with pytest.raises(BackendError, match="overflows"):
+        be.store_kv(cache, 0, be.from_host(k_all[:1]), be.from_host(v_all[:1]), n_ctx)
+
+
+def test_activations_and_elementwise(be):
+    """silu/gelu follow the CPU's float32 steps: silu agrees to 1 ulp (we allow rtol 5e-7).
+    gelu's tanh may be evaluated in float32 on the CPU and in double here; where x < 0,
+    1 + tanh(.) cancels and a 1-ulp difference in tanh grows relative to the result (seen:
+    9e-7), so gelu gets rtol 2e-6 plus atol 1e-7. add/mul/scale are single float32
+    operations: exact."""
+    from picollama.backends.cpu import ops
+
+    rng = np.random.default_rng(3)
+    g, u = _rand(rng, 5, 77, scale=4.0), _rand(rng, 5, 77)
+    dg, du = be.from_host(g), be.from_host(u)
+    np.testing.assert_allclose(be.to_host(be.silu_mul(dg, du)), ops.silu_mul(g, u), rtol=5e-7)
+    np.testing.assert_allclose(
+        be.to_host(be.gelu_mul(dg, du)), ops.gelu_mul(g, u), rtol=2e-6, atol=1e-7
+    )
+    np.testing.assert_array_equal(be.to_host(be.add(dg, du)), g + u)
+    np.testing.assert_array_equal(be.to_host(be.mul(dg, du)), g * u)
+    row = _rand(rng, 77)
+    np.testing.assert_array_equal(be.to_host(be.add(dg, be.from_host(row))), g + row)
+    np.testing.assert_array_equal(be.to_host(be.mul(dg, be.from_host(row))), g * row)
+    np.testing.assert_array_equal(be.to_host(be.scale(dg, 0.37)), g * np.float32(0.37))
+    np.testing.assert_allclose(
+        be.to_host(be.softcap(dg, 3.0)), ops.softcap(g, 3.0), rtol=5e-7, atol=1e-7
+    )
+
+
+def test_concat_take_rows_and_copies(be):
+    rng = np.random.default_rng(4)
+    a, b = _rand(rng, 3, 10), _rand(rng, 4, 10)
+    da, db = be.from_host(a), be.from_host(b)
+    np.testing.assert_array_equal(be.to_host(be.concat([da, db])), np.concatenate([a, b]))
+    np.testing.assert_array_equal(be.to_host(be.take_rows(db, np.array([3, 0]))), b[[3, 0]])
+    assert be.take_rows(db, np.arange(4)) is db  # all rows: no copy
+    with pytest.raises(BackendError):
+        be.take_rows(db, np.array([4]))
+    with pytest.raises(BackendError, match="outside"):
+        w = be.weight("e", GGMLType.F32, (32, 2), np.zeros(256, np.uint8))
+        be.get_rows(w, np.array([2]))
+
+
+def test_kv_cache_is_fp16_on_device(be):
+    cache = be.new_kv_cache(2, 16, 2, 64, 32)
+    assert isinstance(cache, KVCache)
+    assert cache.k[1].shape == (16, 2, 64) and cache.v[0].shape == (16, 2, 32)
+    assert str(cache.k[0].dtype) == "float16"
