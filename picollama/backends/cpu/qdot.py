@@ -239,15 +239,25 @@ def _simd_kernel(qtype: int):
         for t in prange(n_tasks):
             r_lo = t * m // n_tasks
             r_hi = (t + 1) * m // n_tasks
+            if n < 4:
+                # decode: two weight rows at a time, two independent accumulator chains
+                for i in range(n):
+                    r = r_lo
+                    while r + 2 <= r_hi:
+                        vec_dot_rows(qtype, 1, 2, w, r, xq, xd, xs, bsums, i, out)
+                        r += 2
+                    if r < r_hi:
+                        vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
+                continue
             for i0 in range(0, n, TILE_ROWS):
                 i1 = min(n, i0 + TILE_ROWS)
                 for r in range(r_lo, r_hi):
                     i = i0
                     while i + 4 <= i1:
-                        vec_dot_rows(qtype, 4, w, r, xq, xd, xs, bsums, i, out)
+                        vec_dot_rows(qtype, 4, 1, w, r, xq, xd, xs, bsums, i, out)
                         i += 4
                     while i < i1:
-                        vec_dot_rows(qtype, 1, w, r, xq, xd, xs, bsums, i, out)
+                        vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
                         i += 1
 
     return kernel

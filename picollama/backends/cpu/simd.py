@@ -18,9 +18,9 @@ follow, so its results differ from ggml's in float32 rounding only. On an x86 CP
 byte products use the x86 intrinsics; elsewhere the same values come from portable LLVM
 vector code (widen, multiply, add adjacent pairs), which LLVM lowers for any target.
 
-``vec_dot_rows(qtype, n, w, r, xq, xd, xs, bsums, i, out)`` (a Numba intrinsic, ``qtype``
-and ``n`` literals) dots row ``r`` of the weights ``w`` (uint8 (m, row_bytes)) with rows
-``i..i+n-1`` of the quantized activations (``qdot_act.quantize_rows``: int8 quants ``xq``,
+``vec_dot_rows(qtype, n, nw, w, r, xq, xd, xs, bsums, i, out)`` (a Numba intrinsic, the
+first three literals) dots rows ``r..r+nw-1`` of the weights ``w`` (uint8 (m, row_bytes))
+with rows ``i..i+n-1`` of the quantized activations (``qdot_act.quantize_rows``: int8 quants ``xq``,
 float32 block scales ``xd``, Q8_1 sums ``xs``, Q8_K ``bsums``) into column ``r`` of
 ``out``; the weight block is unpacked once for the ``n`` rows (prefill).
 """
@@ -37,11 +37,17 @@ from numba.extending import intrinsic
 
 from picollama.gguf.constants import GGMLType
 
-__all__ = ["SIMD_TYPES", "HAS_AVX2", "vec_dot_rows"]
+__all__ = ["SIMD_TYPES", "HAS_AVX2", "HAS_VNNI", "vec_dot_rows"]
 
-HAS_AVX2 = llvm.get_process_triple().startswith("x86_64") and "+avx2" in (
+_FEATURES = (
     llvm.get_host_cpu_features().flatten() or ""
+    if llvm.get_process_triple().startswith("x86_64")
+    else ""
 )
+HAS_AVX2 = "+avx2" in _FEATURES
+# AVX512-VNNI with VL: vpdpbusd does pmaddubsw + pmaddwd(1) in one instruction, with the
+# same sums (no pair of u8 * s8 products here reaches pmaddubsw's int16 saturation)
+HAS_VNNI = HAS_AVX2 and "+avx512vnni" in _FEATURES and "+avx512vl" in _FEATURES
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F16, F32 = ir.HalfType(), ir.FloatType()
@@ -124,6 +130,12 @@ class _Ops:
         return self.b.sitofp(self.maddwd(_splat(I16, 16, 1), x16), _vec(F32, 8))
 
     def mul_sum_us8_pairs_float(self, ax, sy):
+        if HAS_VNNI:
+            b = self.b
+            v8 = _vec(I32, 8)
+            fn = self._intrinsic("llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8])
+            dot = b.call(fn, [_splat(I32, 8, 0), b.bitcast(ax, v8), b.bitcast(sy, v8)])
+            return b.sitofp(dot, _vec(F32, 8))
         return self.sum_i16_pairs_float(self.maddubs(ax, sy))
 
     def mul_sum_i8_pairs_float(self, x, y):
@@ -307,28 +319,30 @@ _K = (GGMLType.Q4_K, GGMLType.Q6_K)
 SIMD_TYPES: frozenset[GGMLType] = frozenset(_LEGACY + _K)
 
 
-def _define(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
-    """The type's vec_dot of one weight row with ``n_rows`` activation rows, in ``module``.
+def _define(module: ir.Module, qtype: GGMLType, n_rows: int, n_wrows: int) -> ir.Function:
+    """The type's vec_dot of ``n_wrows`` weight rows with ``n_rows`` activation rows.
 
-    ``f(w, xq, xq_stride, xd, xd_stride, xs, xs_stride, nb, out, out_stride)``: row r of
-    the activations starts ``r * stride`` bytes after ``xq``, ``xd`` and ``xs``; its dot is
-    stored at ``out + r * out_stride`` bytes. Each block's weights are loaded and unpacked
-    once for all the rows (the per-row steps repeat the same pure operations on them, and
-    LLVM keeps one copy); every row keeps its own accumulators, so each result is the
-    single-row vec_dot's, bit for bit.
+    ``f(w, w_stride, xq, xq_stride, xd, xd_stride, xs, xs_stride, nb, out, out_stride)``:
+    weight row j starts ``j * w_stride`` bytes after ``w``, activation row r ``r * stride``
+    bytes after ``xq``, ``xd`` and ``xs``; the dot of the two is stored as float32 at
+    ``out + r * out_stride + 4 * j``. A block's weights are loaded and unpacked once for all
+    the activation rows (the per-row steps repeat the same pure operations on them, and
+    LLVM keeps one copy); several weight rows give independent accumulator chains (decode).
+    Every pair keeps its own accumulators, so each result is the single vec_dot's, bit for
+    bit.
     """
-    name = (f"picollama_vec_dot_{qtype.name.lower()}_x{n_rows}_"
-            f"{'avx2' if HAS_AVX2 else 'generic'}")
+    isa = "vnni" if HAS_VNNI else "avx2" if HAS_AVX2 else "generic"
+    name = f"picollama_vec_dot_{qtype.name.lower()}_{n_wrows}x{n_rows}_{isa}"
     try:
         return module.get_global(name)
     except KeyError:
         pass
     p8 = I8.as_pointer()
-    fnty = ir.FunctionType(ir.VoidType(), [p8, p8, I64, p8, I64, p8, I64, I64, p8, I64])
+    fnty = ir.FunctionType(ir.VoidType(), [p8, I64, p8, I64, p8, I64, p8, I64, I64, p8, I64])
     fn = ir.Function(module, fnty, name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
-    w, xq, sq, xd, sd, xs, ss, nb, out, so = fn.args
+    w, sw, xq, sq, xd, sd, xs, ss, nb, out, so = fn.args
     entry = fn.append_basic_block("entry")
     loop = fn.append_basic_block("loop")
     done = fn.append_basic_block("done")
@@ -338,21 +352,23 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     def row(ptr, stride, r):
         return b.gep(ptr, [b.mul(ir.Constant(I64, r), stride)])
 
+    wrows = [row(w, sw, j) for j in range(n_wrows)]
     rows = [
         (row(xq, sq, r), b.bitcast(row(xd, sd, r), F32.as_pointer()), row(xs, ss, r))
         for r in range(n_rows)
     ]
+    pairs = [(j, r) for r in range(n_rows) for j in range(n_wrows)]
     zero8 = ir.Constant(_vec(F32, 8), [ir.Constant(F32, 0.0)] * 8)
     summs0 = (ir.Constant(_vec(F32, 4), [ir.Constant(F32, 0.0)] * 4)
               if qtype == GGMLType.Q4_K else ir.Constant(F32, 0.0))
     b.branch(loop)
     b.position_at_end(loop)
     i = b.phi(I64)
-    accs = [b.phi(_vec(F32, 8)) for _ in range(n_rows)]
-    summs = [b.phi(summs0.type) for _ in range(n_rows)]
+    accs = [b.phi(_vec(F32, 8)) for _ in pairs]
+    summs = [b.phi(summs0.type) for _ in pairs]
     step = _k_quant_body(qtype) if qtype in _K else _legacy_body(qtype)
-    new = [step(o, w, xqr, xdr, xsr, i, acc, sm)
-           for (xqr, xdr, xsr), acc, sm in zip(rows, accs, summs, strict=True)]
+    new = [step(o, wrows[j], *rows[r], i, acc, sm)
+           for (j, r), acc, sm in zip(pairs, accs, summs, strict=True)]
     i1 = b.add(i, ir.Constant(I64, 1))
     i.add_incoming(ir.Constant(I64, 0), entry)
     i.add_incoming(i1, b.block)
@@ -364,7 +380,7 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
         phi.add_incoming(sm1, b.block)
     b.cbranch(b.icmp_unsigned("<", i1, nb), loop, done)
     b.position_at_end(done)
-    for r, (acc1, sm1) in enumerate(new):
+    for (j, r), (acc1, sm1) in zip(pairs, new, strict=True):
         total = o.hsum_float_8(acc1)
         if qtype == GGMLType.Q4_K:
             # acc_m: + movehl, then lane 0 + lane 1
@@ -374,7 +390,8 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
             total = b.fadd(total, m)
         elif qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
             total = b.fadd(total, sm1)
-        b.store(total, b.bitcast(row(out, so, r), F32.as_pointer()))
+        dst = b.gep(row(out, so, r), [ir.Constant(I64, 4 * j)])
+        b.store(total, b.bitcast(dst, F32.as_pointer()))
     b.ret_void()
     return fn
 
@@ -393,22 +410,23 @@ def _block(qtype: int) -> int:
 
 
 @intrinsic
-def vec_dot_rows(typingctx, qtype, n_rows, w, r, xq, xd, xs, bsums, i, out):
-    """``vec_dot_rows(qtype, n_rows, w, r, xq, xd, xs, bsums, i, out)``: for k in
-    0..n_rows-1, ``out[i + k, r]`` = ggml's vec_dot of weight row ``r`` with activation row
-    ``i + k`` (see the module docstring). ``qtype`` and ``n_rows`` are literals."""
-    if not (isinstance(qtype, types.IntegerLiteral) and isinstance(n_rows, types.IntegerLiteral)):
+def vec_dot_rows(typingctx, qtype, n_rows, n_wrows, w, r, xq, xd, xs, bsums, i, out):
+    """``vec_dot_rows(qtype, n_rows, n_wrows, w, r, xq, xd, xs, bsums, i, out)``: for k in
+    0..n_rows-1 and j in 0..n_wrows-1, ``out[i + k, r + j]`` = ggml's vec_dot of weight row
+    ``r + j`` with activation row ``i + k`` (see the module docstring). ``qtype``,
+    ``n_rows`` and ``n_wrows`` are literals."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (qtype, n_rows, n_wrows)):
         return None
     qt = GGMLType(qtype.literal_value)
     if qt not in SIMD_TYPES:
         return None
-    count = n_rows.literal_value
-    sig = types.void(qtype, n_rows, w, r, xq, xd, xs, bsums, i, out)
+    count, wcount = n_rows.literal_value, n_wrows.literal_value
+    sig = types.void(qtype, n_rows, n_wrows, w, r, xq, xd, xs, bsums, i, out)
 
     def codegen(context, builder, signature, args):
-        _, _, w_t, r_t, xq_t, xd_t, xs_t, bs_t, i_t, out_t = signature.args
-        _, _, w_v, r_v, xq_v, xd_v, xs_v, bs_v, i_v, out_v = args
-        fn = _define(builder.module, qt, count)
+        _, _, _, w_t, r_t, xq_t, xd_t, xs_t, bs_t, i_t, out_t = signature.args
+        _, _, _, w_v, r_v, xq_v, xd_v, xs_v, bs_v, i_v, out_v = args
+        fn = _define(builder.module, qt, count, wcount)
         intp = context.get_value_type(types.intp)
         r_ = context.cast(builder, r_v, r_t, types.intp)
         i_ = context.cast(builder, i_v, i_t, types.intp)
@@ -430,7 +448,7 @@ def vec_dot_rows(typingctx, qtype, n_rows, w, r, xq, xd, xs, bsums, i, out):
         nb = builder.udiv(k, ir.Constant(k.type, _block(int(qt))))
         col = builder.mul(r_, ir.Constant(intp, 4))  # float32 columns of out
         builder.call(fn, [
-            at(wd, ws, r_), at(qd, qs, i_), qs, at(dd, ds, i_), ds,
+            at(wd, ws, r_), ws, at(qd, qs, i_), qs, at(dd, ds, i_), ds,
             at(sd_, ss, i_), ss, nb, at(od, os_, i_, col), os_,
         ])
         return context.get_dummy_value()
