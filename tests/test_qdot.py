@@ -183,3 +183,34 @@ def test_simd_matmul_is_ggml_bit_for_bit(qtype):
         got = matmul_q8(x, w, qtype, x.shape[1])
         differ = np.argwhere(got.astype(np.float64) != expected)
         assert differ.size == 0, f"case {c}: first differing (row, col) {differ[:5].tolist()}"
+
+
+_MANY_SCRIPT = """
+import sys, numpy as np
+from picollama.backends.cpu.bench_qdot import random_weights
+from picollama.backends.cpu.qdot import matmul_many_q8, matmul_q8
+from picollama.gguf.constants import GGMLType
+t = GGMLType[sys.argv[1]]
+rng = np.random.default_rng(7)
+ws = [random_weights(rng, t, m, 256) for m in (96, 32, 32)]
+for n in (1, 6):
+    x = rng.standard_normal((n, 256)).astype(np.float32)
+    for count in (2, 3):
+        got = matmul_many_q8(x, ws[:count], t, 256)
+        for w, g in zip(ws, got):
+            assert np.array_equal(g, matmul_q8(x, w, t, 256)), (t.name, n, count)
+print("ok")
+"""
+
+
+def test_matmul_many_equals_separate_calls_across_processes():
+    """Q, K and V (or gate and up) in one pass give what separate calls give, for types
+    whose kernels share a signature, each in a fresh process: the second loads the first's
+    compiled kernels from Numba's disk cache, which must not hand one type another's code."""
+    import subprocess
+    import sys
+
+    for name in ("Q4_1", "Q5_0", "Q4_K", "Q6_K"):
+        proc = subprocess.run([sys.executable, "-c", _MANY_SCRIPT, name], capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -129,6 +129,16 @@ class Backend(ABC):
     def matmul(self, x: Array, w: Weight) -> Array:
         """``x @ dequant(w).T``: (n_tokens, k) -> (n_tokens, m), dequantizing block by block."""
 
+    def matmul_many(self, x: Array, ws: tuple[Weight, ...]) -> list[Array]:
+        """``[matmul(x, w) for w in ws]``: projections of the same input (Q, K and V; gate
+        and up). A backend may do them in one pass, converting ``x`` once."""
+        return [self.matmul(x, w) for w in ws]
+
+    def gated_ffn(self, x: Array, w_gate: Weight, w_up: Weight, act: str) -> Array:
+        """``act(x @ gate.T) * (x @ up.T)``, ``act`` "silu" (SwiGLU) or "gelu" (GeGLU)."""
+        gate, up = self.matmul_many(x, (w_gate, w_up))
+        return self.silu_mul(gate, up) if act == "silu" else self.gelu_mul(gate, up)
+
     @abstractmethod
     def get_rows(self, w: Weight, ids: np.ndarray) -> Array:
         """Rows ``ids`` of an embedding table, dequantized: (len(ids), k)."""

@@ -147,9 +147,10 @@ class Model(BaseModel):
             base = ROPE_FREQ_BASE_SWA if swa else a.rope_freq_base
             fscale = 1.0 if swa else a.rope_freq_scale
             h = be.rms_norm(x, layer.attn_norm, a.norm_eps)
-            q = be.matmul(h, layer.wq).reshape(n, a.n_heads, a.head_dim_k)
-            k = be.matmul(h, layer.wk).reshape(n, a.n_kv_heads, a.head_dim_k)
-            v = be.matmul(h, layer.wv).reshape(n, a.n_kv_heads, a.head_dim_v)
+            q, k, v = be.matmul_many(h, (layer.wq, layer.wk, layer.wv))
+            q = q.reshape(n, a.n_heads, a.head_dim_k)
+            k = k.reshape(n, a.n_kv_heads, a.head_dim_k)
+            v = v.reshape(n, a.n_kv_heads, a.head_dim_v)
             q = be.rms_norm(q, layer.q_norm, a.norm_eps)  # QK-norm, per head
             k = be.rms_norm(k, layer.k_norm, a.norm_eps)
             q = be.rope(q, positions, a.head_dim_k, base, fscale, neox=True)
@@ -160,7 +161,7 @@ class Model(BaseModel):
             attn = be.rms_norm(be.matmul(attn, layer.wo), layer.post_attn_norm, a.norm_eps)
             x = be.add(x, attn)
             h = be.rms_norm(x, layer.ffn_norm, a.norm_eps)
-            ff = be.gelu_mul(be.matmul(h, layer.w_gate), be.matmul(h, layer.w_up))
+            ff = be.gated_ffn(h, layer.w_gate, layer.w_up, "gelu")
             ff = be.rms_norm(be.matmul(ff, layer.w_down), layer.post_ffn_norm, a.norm_eps)
             x = be.add(x, ff)
         x = be.rms_norm(be.take_rows(x, batch.logit_rows), self.output_norm, a.norm_eps)

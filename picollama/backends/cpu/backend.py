@@ -89,6 +89,24 @@ class CPUBackend(Backend):
             return qdot.matmul_q8(x, w.data, w.type, w.k)
         return kernels.matmul(x, w.data, w.type, w.k)
 
+    def matmul_many(self, x: np.ndarray, ws) -> list[np.ndarray]:
+        qtype = ws[0].type
+        if (
+            self.arithmetic == "ggml"
+            and 2 <= len(ws) <= 3
+            and qtype in qdot.SIMD_TYPES
+            and all(w.type == qtype and w.k == ws[0].k for w in ws)
+        ):
+            return qdot.matmul_many_q8(x, [w.data for w in ws], qtype, ws[0].k)
+        return [self.matmul(x, w) for w in ws]
+
+    def gated_ffn(self, x, w_gate: Weight, w_up: Weight, act: str) -> np.ndarray:
+        gate, up = self.matmul_many(x, (w_gate, w_up))
+        if self.arithmetic == "ggml":
+            fused = ggml_math.silu_mul if act == "silu" else ggml_math.gelu_mul
+            return fused(gate, up)
+        return ops.silu_mul(gate, up) if act == "silu" else ops.gelu_mul(gate, up)
+
     def get_rows(self, w: Weight, ids: np.ndarray) -> np.ndarray:
         return kernels.get_rows(w.data, np.asarray(ids, dtype=np.int64), w.type, w.k)
 

@@ -48,7 +48,7 @@ from picollama.backends.cpu.qdot_act import (
 from picollama.backends.cpu.simd import SIMD_TYPES, vec_dot_rows
 from picollama.gguf.constants import GGML_TYPES, QK_K, GGMLType
 
-__all__ = ["SUPPORTED_TYPES", "supports", "matmul_q8", "vec_dot_type"]
+__all__ = ["SUPPORTED_TYPES", "supports", "matmul_q8", "matmul_many_q8", "vec_dot_type"]
 
 # Rows of x dotted with one unpacked weight row before the next weight row is unpacked.
 TILE_ROWS = 64
@@ -200,19 +200,22 @@ def _quant_kernel(qtype: int):
 
 
 @functools.cache
-def _simd_kernel(qtype: int):
-    """One call for a type with a SIMD block dot (``simd.vec_dot_rows``): the activation rows
-    are quantized (in parallel over rows), then the weight rows are split among tasks and
-    each row is read once per tile of x rows, dotted with four x rows at a time."""
+def _simd_parts(qtype: int):
+    """(quantize, rows) for a type with a SIMD block dot (``simd.vec_dot_rows``).
+
+    ``quantize(x)`` converts the activation rows to the type's dot type (in parallel over
+    rows for a batch) and returns ``(xq, xd, xs, bsums)``; ``rows(w, xq, xd, xs, bsums,
+    out, r_lo, r_hi)`` fills ``out[:, r_lo:r_hi]``: for decode two weight rows at a time
+    (independent accumulator chains), for a batch each weight row once per tile of x rows,
+    dotted with four x rows at a time."""
     qtype = int(qtype)
     vtype = VEC_DOT_TYPE[GGMLType(qtype)]
     k_quant = vtype == GGMLType.Q8_K
     with_sum = vtype == GGMLType.Q8_1
 
     @njit(cache=True, parallel=True)
-    def kernel(x, w, out, n_tasks):
+    def quantize(x):
         n, k = x.shape
-        m = w.shape[0]
         xq = np.empty((n, k), np.int8)
         nb = k // 32
         if k_quant:
@@ -236,31 +239,121 @@ def _simd_kernel(qtype: int):
                 for i in prange(n):
                     _quantize_q8_0(x[i : i + 1], xq[i : i + 1], xd[i : i + 1], dbits[i : i + 1],
                                    xs[i : i + 1], sbits[i : i + 1], with_sum)
+        return xq, xd, xs, bsums
+
+    @njit(inline="always")
+    def rows(w, xq, xd, xs, bsums, out, r_lo, r_hi):
+        n = xq.shape[0]
+        if n < 4:
+            for i in range(n):
+                r = r_lo
+                while r + 2 <= r_hi:
+                    vec_dot_rows(qtype, 1, 2, w, r, xq, xd, xs, bsums, i, out)
+                    r += 2
+                if r < r_hi:
+                    vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
+            return
+        for i0 in range(0, n, TILE_ROWS):
+            i1 = min(n, i0 + TILE_ROWS)
+            for r in range(r_lo, r_hi):
+                i = i0
+                while i + 4 <= i1:
+                    vec_dot_rows(qtype, 4, 1, w, r, xq, xd, xs, bsums, i, out)
+                    i += 4
+                while i < i1:
+                    vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
+                    i += 1
+
+    return quantize, rows
+
+
+def simd_quantize(qtype, x):
+    """The type's ``_simd_parts`` quantize (compiled code only, ``qtype`` a literal)."""
+    raise NotImplementedError("simd_quantize is only callable from Numba-compiled code")
+
+
+@overload(simd_quantize)
+def _simd_quantize_overload(qtype, x):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    quantize = _simd_parts(qtype.literal_value)[0]
+
+    def impl(qtype, x):
+        return quantize(x)
+
+    return impl
+
+
+def simd_rows(qtype, w, xq, xd, xs, bsums, out, r_lo, r_hi):
+    """The type's ``_simd_parts`` rows (compiled code only, ``qtype`` a literal)."""
+    raise NotImplementedError("simd_rows is only callable from Numba-compiled code")
+
+
+@overload(simd_rows)
+def _simd_rows_overload(qtype, w, xq, xd, xs, bsums, out, r_lo, r_hi):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    rows = _simd_parts(qtype.literal_value)[1]
+
+    def impl(qtype, w, xq, xd, xs, bsums, out, r_lo, r_hi):
+        rows(w, xq, xd, xs, bsums, out, r_lo, r_hi)
+
+    return impl
+
+
+# The kernels below capture only the type id (an integer), never a function: Numba's disk
+# cache keys a closure by its captured values, and two captured functions of different
+# types would look alike to it, so one type's cached code could be loaded for another.
+
+
+@functools.cache
+def _simd_kernel(qtype: int):
+    """``x @ W.T`` in one call: quantize x, then the weight rows split among tasks."""
+    qtype = int(qtype)
+
+    @njit(cache=True, parallel=True)
+    def kernel(x, w, out, n_tasks):
+        xq, xd, xs, bsums = simd_quantize(qtype, x)
+        m = w.shape[0]
         for t in prange(n_tasks):
-            r_lo = t * m // n_tasks
-            r_hi = (t + 1) * m // n_tasks
-            if n < 4:
-                # decode: two weight rows at a time, two independent accumulator chains
-                for i in range(n):
-                    r = r_lo
-                    while r + 2 <= r_hi:
-                        vec_dot_rows(qtype, 1, 2, w, r, xq, xd, xs, bsums, i, out)
-                        r += 2
-                    if r < r_hi:
-                        vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
-                continue
-            for i0 in range(0, n, TILE_ROWS):
-                i1 = min(n, i0 + TILE_ROWS)
-                for r in range(r_lo, r_hi):
-                    i = i0
-                    while i + 4 <= i1:
-                        vec_dot_rows(qtype, 4, 1, w, r, xq, xd, xs, bsums, i, out)
-                        i += 4
-                    while i < i1:
-                        vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
-                        i += 1
+            simd_rows(qtype, w, xq, xd, xs, bsums, out, t * m // n_tasks, (t + 1) * m // n_tasks)
 
     return kernel
+
+
+@functools.cache
+def _simd_kernel3(qtype: int):
+    """Up to three matmuls of one x (weights of one type) in one call: x is quantized once,
+    and each task takes its share of every weight's rows (an absent weight has 0 rows)."""
+    qtype = int(qtype)
+
+    @njit(cache=True, parallel=True)
+    def kernel(x, w0, w1, w2, o0, o1, o2, n_tasks):
+        xq, xd, xs, bsums = simd_quantize(qtype, x)
+        m0, m1, m2 = w0.shape[0], w1.shape[0], w2.shape[0]
+        for t in prange(n_tasks):
+            lo, hi = t * m0 // n_tasks, (t + 1) * m0 // n_tasks
+            simd_rows(qtype, w0, xq, xd, xs, bsums, o0, lo, hi)
+            lo, hi = t * m1 // n_tasks, (t + 1) * m1 // n_tasks
+            simd_rows(qtype, w1, xq, xd, xs, bsums, o1, lo, hi)
+            lo, hi = t * m2 // n_tasks, (t + 1) * m2 // n_tasks
+            simd_rows(qtype, w2, xq, xd, xs, bsums, o2, lo, hi)
+
+    return kernel
+
+
+def matmul_many_q8(x: np.ndarray, ws: list[np.ndarray], qtype, k: int) -> list[np.ndarray]:
+    """``[matmul_q8(x, w, qtype, k) for w in ws]`` for two or three weights of one SIMD type,
+    in one parallel pass that converts x once (the weights are trusted: ``CPUBackend``
+    checked their shapes at load)."""
+    n = x.shape[0]
+    outs = [np.empty((n, w.shape[0]), np.float32) for w in ws]
+    empty_w = ws[0][:0]
+    w3 = list(ws) + [empty_w] * (3 - len(ws))
+    o3 = outs + [np.empty((n, 0), np.float32)] * (3 - len(ws))
+    m = sum(w.shape[0] for w in ws)
+    _simd_kernel3(int(qtype))(np.ascontiguousarray(x, np.float32), *w3, *o3, _n_tasks(m))
+    return outs
 
 
 @functools.cache
