@@ -121,3 +121,21 @@ def test_stop_strings_release_false_alarm():
     assert s.push("b") == "#b"
     assert not s.hit
     assert s.flush() == ""
+
+
+@pytest.mark.parametrize("vocab", [50, 49152, 262144])
+def test_top_k_selection_equals_a_stable_sort(vocab):
+    """The single-pass heap top-k: the k largest logits, largest first, ties by lower id
+    (a stable sort's order), on vocabularies of both real models' sizes."""
+    from picollama.sampling.samplers import _top_k_indices
+
+    rng = np.random.default_rng(vocab)
+    logits = np.round(rng.standard_normal(vocab) * 3, 1).astype(np.float32)  # many ties
+    for k in (1, 40, 50):
+        k = min(k, vocab)
+        ref = np.lexsort((np.arange(vocab), -logits))[:k]
+        assert np.array_equal(_top_k_indices(logits, k), ref)
+    nan_row = logits.copy()
+    nan_row[::3] = np.nan
+    c = top_k(Candidates.from_logits(nan_row), 40)
+    assert len(c) == 40 and np.isfinite(c.logits[: min(40, np.isfinite(nan_row).sum())]).all()

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 
 __all__ = [
@@ -121,15 +122,78 @@ def apply_penalties(
     return logits
 
 
+@numba.njit(cache=True, nogil=True)
+def _top_k_indices(logits, k):
+    """Indices of the ``k`` largest logits, largest first (ties: the lower index first).
+
+    One pass with a min-heap of ``k`` entries: after the first few thousand logits almost
+    none enters the heap, so this costs a compare per logit (an argpartition of a 262k
+    vocabulary takes several milliseconds, a decode step's worth)."""
+    heap_v = np.empty(k, np.float32)
+    heap_i = np.empty(k, np.int64)
+    size = 0
+    for i in range(logits.shape[0]):
+        v = logits[i]
+        if v != v:  # NaN never wins
+            continue
+        if size < k:
+            j = size
+            size += 1
+        elif v > heap_v[0]:
+            j = 0  # replace the root, then sift it down
+            while True:
+                c = 2 * j + 1
+                if c >= k:
+                    break
+                if c + 1 < k and (heap_v[c + 1] < heap_v[c] or
+                                  (heap_v[c + 1] == heap_v[c] and heap_i[c + 1] > heap_i[c])):
+                    c += 1
+                if heap_v[c] < v or (heap_v[c] == v and heap_i[c] > i):
+                    heap_v[j] = heap_v[c]
+                    heap_i[j] = heap_i[c]
+                    j = c
+                else:
+                    break
+            heap_v[j] = v
+            heap_i[j] = i
+            continue
+        else:
+            continue
+        # sift up a new entry (heap order: smallest value, then highest index, at the root)
+        while j > 0:
+            parent = (j - 1) // 2
+            if heap_v[parent] > v or (heap_v[parent] == v and heap_i[parent] < i):
+                heap_v[j] = heap_v[parent]
+                heap_i[j] = heap_i[parent]
+                j = parent
+            else:
+                break
+        heap_v[j] = v
+        heap_i[j] = i
+    out = heap_i[:size].copy()
+    vals = heap_v[:size].copy()
+    order = np.argsort(-vals, kind="mergesort")  # stable: equal logits keep index order
+    # mergesort is stable over the heap's order, not the indices: fix ties by index
+    res = out[order]
+    rv = vals[order]
+    start = 0
+    for i in range(1, size + 1):
+        if i == size or rv[i] != rv[start]:
+            res[start:i] = np.sort(res[start:i])
+            start = i
+    return res
+
+
 def top_k(c: Candidates, k: int, min_keep: int = 1) -> Candidates:
     if k <= 0:
         return c
     k = max(k, min_keep)
     if k >= len(c):
         return c.sort()
-    part = np.argpartition(-c.logits, k - 1)[:k]
-    sub = Candidates(c.ids[part], c.logits[part])
-    return sub.sort()
+    part = _top_k_indices(np.ascontiguousarray(c.logits, np.float32), k)
+    if len(part) < min(k, len(c)):  # NaN logits: leave them to the full sort's order
+        return c.keep(k)
+    return Candidates(c.ids[part], c.logits[part], True)
 
 
 def typical(c: Candidates, p: float, min_keep: int = 1) -> Candidates:
