@@ -1,16 +1,15 @@
 """picollama-server against a live process on 127.0.0.1 with SmolLM2.
 
 Endpoints, the official ``openai`` client, the server items of RELIABILITY.md (33-43),
-cancellation, the queue, prompt reuse, and a load test with no cross-talk between slots.
-Generation is kept short (a few tokens) so the file runs in a few minutes on a small CPU;
-PICOLLAMA_SERVER_LOAD_FULL=1 runs the load test at its full size (8 clients x 10 requests).
+cancellation, the queue, prompt reuse, and a load test with no cross-talk between slots
+(8 clients x 10 requests). Generation is kept short (a few tokens) so the file runs in a
+few minutes on a small CPU.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -547,8 +546,7 @@ PROMPTS = [
 
 
 def test_load_no_cross_talk(server):
-    full = os.environ.get("PICOLLAMA_SERVER_LOAD_FULL") == "1"
-    n_clients, n_each, n_tokens = (8, 10, 8) if full else (8, 2, 3)
+    n_clients, n_each, n_tokens = 8, 10, 8
 
     def ask(prompt):
         body = {
