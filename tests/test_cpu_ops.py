@@ -90,8 +90,13 @@ def test_rope(neox, n_rot, head_dim):
 
 @pytest.mark.parametrize(
     "n,start,n_heads,n_kv,window,softcap",
-    [(1, 0, 4, 1, 0, 0.0), (1, 37, 9, 3, 0, 0.0), (6, 0, 4, 2, 0, 0.0),
-     (5, 20, 4, 4, 8, 0.0), (3, 10, 2, 1, 0, 50.0)],
+    [
+        (1, 0, 4, 1, 0, 0.0),
+        (1, 37, 9, 3, 0, 0.0),
+        (6, 0, 4, 2, 0, 0.0),
+        (5, 20, 4, 4, 8, 0.0),
+        (3, 10, 2, 1, 0, 50.0),
+    ],
 )
 def test_attention(n, start, n_heads, n_kv, window, softcap):
     head_dim, n_ctx = 32, 64

@@ -172,8 +172,14 @@ def test_supports_and_errors():
 
 # Types whose SIMD kernel (simd.py) mirrors ggml-cpu's AVX2 vec_dot operation for operation:
 # the result must be ggml's to the last bit, not merely within rounding.
-BIT_EXACT = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-             GGMLType.Q4_K]
+BIT_EXACT = [
+    GGMLType.Q4_0,
+    GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
+    GGMLType.Q8_0,
+    GGMLType.Q4_K,
+]
 
 
 @pytest.mark.parametrize("qtype", BIT_EXACT, ids=lambda t: t.name)
@@ -211,6 +217,61 @@ def test_matmul_many_equals_separate_calls_across_processes():
     import sys
 
     for name in ("Q4_1", "Q5_0", "Q4_K", "Q6_K"):
-        proc = subprocess.run([sys.executable, "-c", _MANY_SCRIPT, name], capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", _MANY_SCRIPT, name], capture_output=True, text=True, timeout=600
+        )
         assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+_ISA_SCRIPT = """
+import numpy as np
+from picollama.backends.cpu import simd
+from picollama.backends.cpu.attention import attention
+from picollama.backends.cpu.qdot import matmul_q8
+from picollama.gguf.constants import GGMLType
+for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"):
+    t = GGMLType[name]
+    with np.load("__DATA__/" + name + ".npz") as f:
+        for c in range(3):
+            w, x, out = f[f"w{c}"], f[f"x{c}"], f[f"out{c}"]
+            got = matmul_q8(x, w, t, x.shape[1]).astype(np.float64)
+            err = np.abs(got - out).max() / (np.abs(out).max() + 1e-30)
+            assert (got == out).all() or (name == "Q6_K" and err < 1e-5), (name, c, err)
+rng = np.random.default_rng(3)
+k = rng.standard_normal((80, 2, 64)).astype(np.float16)
+v = rng.standard_normal((80, 2, 64)).astype(np.float16)
+for n, start in ((3, 60), (70, 0)):
+    q = rng.standard_normal((n, 6, 64)).astype(np.float32)
+    out = attention(q, k.view(np.uint16), v.view(np.uint16), start, 0.125)
+    np.save("__OUT__/attn_%d.npy" % n, out)
+print(simd.HAS_AVX2, simd.HAS_VNNI)
+"""
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_fallback_isa_paths_give_the_same_bits(isa, tmp_path):
+    """The SIMD dots and attention compiled without AVX-512 (avx2) and without any x86
+    instruction asked for by name (generic: what a CPU without AVX2/F16C, or ARM, runs)
+    give the native build's bits: ggml's, on the frozen oracle. Each in a fresh process
+    with its own Numba cache (the cache does not know the ISA setting)."""
+    import os
+    import subprocess
+    import sys
+
+    from picollama.backends.cpu.attention import attention
+
+    script = _ISA_SCRIPT.replace("__DATA__", str(DATA)).replace("__OUT__", str(tmp_path))
+    env = dict(os.environ, PICOLLAMA_CPU_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    has_avx2, has_vnni = proc.stdout.split()
+    assert has_vnni == "False" and (has_avx2 == "False") == (isa == "generic")
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((80, 2, 64)).astype(np.float16)
+    v = rng.standard_normal((80, 2, 64)).astype(np.float16)
+    for n, start in ((3, 60), (70, 0)):
+        q = rng.standard_normal((n, 6, 64)).astype(np.float32)
+        native = attention(q, k.view(np.uint16), v.view(np.uint16), start, 0.125)
+        assert np.array_equal(np.load(tmp_path / f"attn_{n}.npy"), native)

@@ -94,8 +94,13 @@ def test_logit_bias_bans_a_token():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("top_p", 1.1), ("min_p", -0.1), ("temperature", float("nan")), ("repeat_last_n", -2),
-     ("repeat_penalty", 0.0)],
+    [
+        ("top_p", 1.1),
+        ("min_p", -0.1),
+        ("temperature", float("nan")),
+        ("repeat_last_n", -2),
+        ("repeat_penalty", 0.0),
+    ],
 )
 def test_invalid_parameters_are_named(field, value):
     with pytest.raises(ValueError, match=field):

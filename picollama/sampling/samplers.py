@@ -145,8 +145,10 @@ def _top_k_indices(logits, k):
                 c = 2 * j + 1
                 if c >= k:
                     break
-                if c + 1 < k and (heap_v[c + 1] < heap_v[c] or
-                                  (heap_v[c + 1] == heap_v[c] and heap_i[c + 1] > heap_i[c])):
+                if c + 1 < k and (
+                    heap_v[c + 1] < heap_v[c]
+                    or (heap_v[c + 1] == heap_v[c] and heap_i[c + 1] > heap_i[c])
+                ):
                     c += 1
                 if heap_v[c] < v or (heap_v[c] == v and heap_i[c] > i):
                     heap_v[j] = heap_v[c]

@@ -177,15 +177,38 @@ def _make_kernels(f16: bool):
             scale = _F(scale / softcap)  # ggml: s = softcap * tanh(s * scale / softcap)
         if chunk:
             for job in nb.prange(n * n_heads):
-                one_chunk(q, k_cache, v_cache, start, scale, window, softcap, out,
-                          job // n_heads, job % n_heads, group)
+                one_chunk(
+                    q,
+                    k_cache,
+                    v_cache,
+                    start,
+                    scale,
+                    window,
+                    softcap,
+                    out,
+                    job // n_heads,
+                    job % n_heads,
+                    group,
+                )
         else:
             n_tiles = (n + FA_TILE_Q - 1) // FA_TILE_Q
             n_kv_heads = k_cache.shape[1]
             for job in nb.prange(n_tiles * n_kv_heads):
                 t0 = (job // n_kv_heads) * FA_TILE_Q
-                tiled(q, k_cache, v_cache, start, scale, window, softcap, out,
-                      t0, min(n, t0 + FA_TILE_Q), job % n_kv_heads, group)
+                tiled(
+                    q,
+                    k_cache,
+                    v_cache,
+                    start,
+                    scale,
+                    window,
+                    softcap,
+                    out,
+                    t0,
+                    min(n, t0 + FA_TILE_Q),
+                    job % n_kv_heads,
+                    group,
+                )
 
     return (
         nb.njit(nogil=True, cache=True, parallel=False)(driver),

@@ -23,6 +23,8 @@ The others steer LLVM's code generation, and each says why:
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
@@ -304,7 +306,17 @@ stack_f64 = _make_stack(types.float64, ir.DoubleType())
 stack_f64.__doc__ = "``stack_f64(N)``: like ``stack_f32``, for float64."
 
 
-HAS_F16C = _X86 and "+f16c" in (llvm.get_host_cpu_features().flatten() or "")
+# PICOLLAMA_CPU_ISA: "native" (default) uses what the CPU has; "avx2" leaves out AVX-512;
+# "generic" leaves out every x86 instruction we ask for by name (F16C, AVX2, VNNI), the
+# code a CPU without them runs (how the tests check that fallback on any machine; use a
+# separate NUMBA_CACHE_DIR, since Numba's cache does not know this setting).
+CPU_ISA = os.environ.get("PICOLLAMA_CPU_ISA", "native")
+if CPU_ISA not in ("native", "avx2", "generic"):
+    raise ValueError(f"PICOLLAMA_CPU_ISA must be native, avx2 or generic, not {CPU_ISA!r}")
+HOST_FEATURES = (
+    (llvm.get_host_cpu_features().flatten() or "") if _X86 and CPU_ISA != "generic" else ""
+)
+HAS_F16C = "+f16c" in HOST_FEATURES
 
 
 @intrinsic

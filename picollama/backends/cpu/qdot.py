@@ -237,8 +237,15 @@ def _simd_parts(qtype: int):
                 _quantize_q8_0(x, xq, xd, dbits, xs, sbits, with_sum)
             else:
                 for i in prange(n):
-                    _quantize_q8_0(x[i : i + 1], xq[i : i + 1], xd[i : i + 1], dbits[i : i + 1],
-                                   xs[i : i + 1], sbits[i : i + 1], with_sum)
+                    _quantize_q8_0(
+                        x[i : i + 1],
+                        xq[i : i + 1],
+                        xd[i : i + 1],
+                        dbits[i : i + 1],
+                        xs[i : i + 1],
+                        sbits[i : i + 1],
+                        with_sum,
+                    )
         return xq, xd, xs, bsums
 
     @njit(inline="always")

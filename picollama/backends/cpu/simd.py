@@ -35,19 +35,18 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from picollama.backends.cpu.intrinsics import CPU_ISA, HOST_FEATURES
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["SIMD_TYPES", "HAS_AVX2", "HAS_VNNI", "vec_dot_rows"]
 
-_FEATURES = (
-    llvm.get_host_cpu_features().flatten() or ""
-    if llvm.get_process_triple().startswith("x86_64")
-    else ""
-)
+_FEATURES = HOST_FEATURES if llvm.get_process_triple().startswith("x86_64") else ""
 HAS_AVX2 = "+avx2" in _FEATURES
 # AVX512-VNNI with VL: vpdpbusd does pmaddubsw + pmaddwd(1) in one instruction, with the
 # same sums (no pair of u8 * s8 products here reaches pmaddubsw's int16 saturation)
-HAS_VNNI = HAS_AVX2 and "+avx512vnni" in _FEATURES and "+avx512vl" in _FEATURES
+HAS_VNNI = (
+    HAS_AVX2 and CPU_ISA == "native" and "+avx512vnni" in _FEATURES and "+avx512vl" in _FEATURES
+)
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F16, F32 = ir.HalfType(), ir.FloatType()
@@ -185,8 +184,13 @@ _ARGS = [I8.as_pointer(), I8.as_pointer(), F32.as_pointer(), I8.as_pointer(), I6
 
 def _legacy_body(qtype):
     """The per-block step of the 32-weight types, as ``step(ops, w, xq, xd, xs, i, acc, summs)``."""
-    size = {GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q5_0: 22, GGMLType.Q5_1: 24,
-            GGMLType.Q8_0: 34}[qtype]
+    size = {
+        GGMLType.Q4_0: 18,
+        GGMLType.Q4_1: 20,
+        GGMLType.Q5_0: 22,
+        GGMLType.Q5_1: 24,
+        GGMLType.Q8_0: 34,
+    }[qtype]
 
     def step(o: _Ops, w, xq, xd, xs, i, acc, summs):
         b = o.b
@@ -243,11 +247,15 @@ def _k_quant_body(qtype):
             # the 8 6-bit scales and mins (ggml's utmp shuffle), as bytes
             sc = [o.load(w, b.add(base, ir.Constant(I64, 4 + 4 * j)), I32) for j in range(3)]
             km1, km2, km3 = (ir.Constant(I32, v) for v in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
-            u3 = b.or_(b.and_(b.lshr(sc[2], ir.Constant(I32, 4)), km2),
-                       b.shl(b.and_(b.lshr(sc[1], ir.Constant(I32, 6)), km3), ir.Constant(I32, 4)))
+            u3 = b.or_(
+                b.and_(b.lshr(sc[2], ir.Constant(I32, 4)), km2),
+                b.shl(b.and_(b.lshr(sc[1], ir.Constant(I32, 6)), km3), ir.Constant(I32, 4)),
+            )
             u2 = b.and_(sc[1], km1)
-            u1 = b.or_(b.and_(sc[2], km2),
-                       b.shl(b.and_(b.lshr(sc[0], ir.Constant(I32, 6)), km3), ir.Constant(I32, 4)))
+            u1 = b.or_(
+                b.and_(sc[2], km2),
+                b.shl(b.and_(b.lshr(sc[0], ir.Constant(I32, 6)), km3), ir.Constant(I32, 4)),
+            )
             u0 = b.and_(sc[0], km1)
             u = ir.Constant(_vec(I32, 4), None)
             for j, v in enumerate((u0, u1, u2, u3)):
@@ -255,21 +263,28 @@ def _k_quant_body(qtype):
             bytes16 = b.bitcast(u, _vec(I8, 16))
             ms = b.zext(bytes16, _vec(I16, 16))  # scales in lanes 0..7, mins in 8..15
             # mins . (bsums summed in pairs), fmadd into a 4-lane accumulator
-            bs = o.load(b.bitcast(bsums, I8.as_pointer()), b.mul(i, ir.Constant(I64, 64)),
-                        _vec(I32, 16))
-            pairs = b.add(b.shuffle_vector(bs, bs, _mask(range(0, 16, 2))),
-                          b.shuffle_vector(bs, bs, _mask(range(1, 16, 2))))
+            bs = o.load(
+                b.bitcast(bsums, I8.as_pointer()), b.mul(i, ir.Constant(I64, 64)), _vec(I32, 16)
+            )
+            pairs = b.add(
+                b.shuffle_vector(bs, bs, _mask(range(0, 16, 2))),
+                b.shuffle_vector(bs, bs, _mask(range(1, 16, 2))),
+            )
             # _mm_hadd_epi16 sums in 16 bits; bsums fit, and so do their pair sums (|.| <= 8128)
             pairs16 = b.trunc(pairs, _vec(I16, 8))
             mins = b.shuffle_vector(ms, ms, _mask(range(8, 16)))
             prod = b.mul(b.sext(mins, _vec(I32, 8)), b.sext(pairs16, _vec(I32, 8)))
-            prod4 = b.add(b.shuffle_vector(prod, prod, _mask([0, 2, 4, 6])),
-                          b.shuffle_vector(prod, prod, _mask([1, 3, 5, 7])))
+            prod4 = b.add(
+                b.shuffle_vector(prod, prod, _mask([0, 2, 4, 6])),
+                b.shuffle_vector(prod, prod, _mask([1, 3, 5, 7])),
+            )
             acc_m = summs  # a <4 x float> here
             fn = o._intrinsic("llvm.fma.v4f32", _vec(F32, 4), [_vec(F32, 4)] * 3)
             dmin4 = b.shuffle_vector(
                 b.insert_element(ir.Constant(_vec(F32, 4), None), dmin, ir.Constant(I32, 0)),
-                ir.Constant(_vec(F32, 4), None), _mask([0] * 4))
+                ir.Constant(_vec(F32, 4), None),
+                _mask([0] * 4),
+            )
             acc_m = b.call(fn, [dmin4, b.sitofp(prod4, _vec(F32, 4)), acc_m])
             sumi = _splat(I32, 8, 0)
             for j in range(4):
@@ -288,19 +303,23 @@ def _k_quant_body(qtype):
         # Q6_K: ql[128], qh[64], scales[16] (int8), d
         base = b.mul(i, ir.Constant(I64, 210))
         d = b.fmul(dy, o.load_f16(w, b.add(base, ir.Constant(I64, 208))))
-        scales = b.sext(o.load(w, b.add(base, ir.Constant(I64, 192)), _vec(I8, 16)),
-                        _vec(I16, 16))
+        scales = b.sext(o.load(w, b.add(base, ir.Constant(I64, 192)), _vec(I8, 16)), _vec(I16, 16))
         sumi = _splat(I32, 8, 0)
         m4, m3 = _splat(I8, 32, 0x0F), _splat(I8, 32, 3)
         for j in range(2):
             ql1 = o.load(w, b.add(base, ir.Constant(I64, 64 * j)), _vec(I8, 32))
             ql2 = o.load(w, b.add(base, ir.Constant(I64, 64 * j + 32)), _vec(I8, 32))
             qh = o.load(w, b.add(base, ir.Constant(I64, 128 + 32 * j)), _vec(I8, 32))
-            hs = [b.shl(b.and_(b.lshr(qh, _splat(I8, 32, 2 * t)), m3), _splat(I8, 32, 4))
-                  for t in range(4)]
-            q6 = [b.or_(b.and_(ql1, m4), hs[0]), b.or_(b.and_(ql2, m4), hs[1]),
-                  b.or_(b.lshr(ql1, _splat(I8, 32, 4)), hs[2]),
-                  b.or_(b.lshr(ql2, _splat(I8, 32, 4)), hs[3])]
+            hs = [
+                b.shl(b.and_(b.lshr(qh, _splat(I8, 32, 2 * t)), m3), _splat(I8, 32, 4))
+                for t in range(4)
+            ]
+            q6 = [
+                b.or_(b.and_(ql1, m4), hs[0]),
+                b.or_(b.and_(ql2, m4), hs[1]),
+                b.or_(b.lshr(ql1, _splat(I8, 32, 4)), hs[2]),
+                b.or_(b.lshr(ql2, _splat(I8, 32, 4)), hs[3]),
+            ]
             for t in range(4):
                 q8t = o.load(xq, b.add(q8, ir.Constant(I64, 128 * j + 32 * t)), _vec(I8, 32))
                 p16 = b.sub(o.maddubs(q6[t], q8t), o.maddubs(_splat(I8, 32, 32), q8t))
@@ -359,16 +378,21 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int, n_wrows: int) -> ir
     ]
     pairs = [(j, r) for r in range(n_rows) for j in range(n_wrows)]
     zero8 = ir.Constant(_vec(F32, 8), [ir.Constant(F32, 0.0)] * 8)
-    summs0 = (ir.Constant(_vec(F32, 4), [ir.Constant(F32, 0.0)] * 4)
-              if qtype == GGMLType.Q4_K else ir.Constant(F32, 0.0))
+    summs0 = (
+        ir.Constant(_vec(F32, 4), [ir.Constant(F32, 0.0)] * 4)
+        if qtype == GGMLType.Q4_K
+        else ir.Constant(F32, 0.0)
+    )
     b.branch(loop)
     b.position_at_end(loop)
     i = b.phi(I64)
     accs = [b.phi(_vec(F32, 8)) for _ in pairs]
     summs = [b.phi(summs0.type) for _ in pairs]
     step = _k_quant_body(qtype) if qtype in _K else _legacy_body(qtype)
-    new = [step(o, wrows[j], *rows[r], i, acc, sm)
-           for (j, r), acc, sm in zip(pairs, accs, summs, strict=True)]
+    new = [
+        step(o, wrows[j], *rows[r], i, acc, sm)
+        for (j, r), acc, sm in zip(pairs, accs, summs, strict=True)
+    ]
     i1 = b.add(i, ir.Constant(I64, 1))
     i.add_incoming(ir.Constant(I64, 0), entry)
     i.add_incoming(i1, b.block)
@@ -385,8 +409,9 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int, n_wrows: int) -> ir
         if qtype == GGMLType.Q4_K:
             # acc_m: + movehl, then lane 0 + lane 1
             t = b.fadd(sm1, b.shuffle_vector(sm1, sm1, _mask([2, 3, 2, 3])))
-            m = b.fadd(b.extract_element(t, ir.Constant(I32, 0)),
-                       b.extract_element(t, ir.Constant(I32, 1)))
+            m = b.fadd(
+                b.extract_element(t, ir.Constant(I32, 0)), b.extract_element(t, ir.Constant(I32, 1))
+            )
             total = b.fadd(total, m)
         elif qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
             total = b.fadd(total, sm1)
@@ -447,10 +472,22 @@ def vec_dot_rows(typingctx, qtype, n_rows, n_wrows, w, r, xq, xd, xs, bsums, i, 
         od, os_, _ = _array_parts(context, builder, out_t, out_v)
         nb = builder.udiv(k, ir.Constant(k.type, _block(int(qt))))
         col = builder.mul(r_, ir.Constant(intp, 4))  # float32 columns of out
-        builder.call(fn, [
-            at(wd, ws, r_), ws, at(qd, qs, i_), qs, at(dd, ds, i_), ds,
-            at(sd_, ss, i_), ss, nb, at(od, os_, i_, col), os_,
-        ])
+        builder.call(
+            fn,
+            [
+                at(wd, ws, r_),
+                ws,
+                at(qd, qs, i_),
+                qs,
+                at(dd, ds, i_),
+                ds,
+                at(sd_, ss, i_),
+                ss,
+                nb,
+                at(od, os_, i_, col),
+                os_,
+            ],
+        )
         return context.get_dummy_value()
 
     return sig, codegen

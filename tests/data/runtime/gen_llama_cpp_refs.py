@@ -53,7 +53,8 @@ PPL_TEXT = "python-license.txt"
 
 def _post(path: str, body: dict) -> dict:
     req = urllib.request.Request(
-        f"http://127.0.0.1:{PORT}{path}", data=json.dumps(body).encode(),
+        f"http://127.0.0.1:{PORT}{path}",
+        data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=600) as resp:
@@ -62,9 +63,23 @@ def _post(path: str, body: dict) -> dict:
 
 def greedy(bin_dir: Path, model: Path, prompts: list[str]) -> list[dict]:
     server = subprocess.Popen(
-        [str(bin_dir / "llama-server"), "-m", str(model), "--port", str(PORT), "-c", "2048",
-         "-np", "1", "-t", "2", "--host", "127.0.0.1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            str(bin_dir / "llama-server"),
+            "-m",
+            str(model),
+            "--port",
+            str(PORT),
+            "-c",
+            "2048",
+            "-np",
+            "1",
+            "-t",
+            "2",
+            "--host",
+            "127.0.0.1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         for _ in range(300):
@@ -75,20 +90,36 @@ def greedy(bin_dir: Path, model: Path, prompts: list[str]) -> list[dict]:
                 time.sleep(0.5)
         out = []
         for prompt in prompts:
-            prompt_ids = _post("/tokenize", {"content": prompt, "add_special": True,
-                                             "parse_special": True})["tokens"]
-            r = _post("/completion", {
-                "prompt": prompt, "n_predict": N_PREDICT, "temperature": 0.0, "top_k": 1,
-                "return_tokens": True, "n_probs": 5, "cache_prompt": False,
-                "ignore_eos": False,
-            })
+            prompt_ids = _post(
+                "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}
+            )["tokens"]
+            r = _post(
+                "/completion",
+                {
+                    "prompt": prompt,
+                    "n_predict": N_PREDICT,
+                    "temperature": 0.0,
+                    "top_k": 1,
+                    "return_tokens": True,
+                    "n_probs": 5,
+                    "cache_prompt": False,
+                    "ignore_eos": False,
+                },
+            )
             # top-5 log-probabilities before sampling, to tell near-ties from real differences
             probs = [
                 [[p["id"], p["logprob"]] for p in step["top_logprobs"]]
                 for step in r.get("completion_probabilities", [])
             ]
-            out.append({"prompt": prompt, "prompt_ids": prompt_ids, "tokens": r["tokens"],
-                        "content": r["content"], "top": probs})
+            out.append(
+                {
+                    "prompt": prompt,
+                    "prompt_ids": prompt_ids,
+                    "tokens": r["tokens"],
+                    "content": r["content"],
+                    "top": probs,
+                }
+            )
         return out
     finally:
         server.terminate()
@@ -97,13 +128,30 @@ def greedy(bin_dir: Path, model: Path, prompts: list[str]) -> list[dict]:
 
 def perplexity(bin_dir: Path, model: Path, text_file: Path) -> dict:
     proc = subprocess.run(
-        [str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text_file), "-c",
-         str(PPL_CTX), "-b", str(PPL_CTX), "-t", "2"],
-        capture_output=True, text=True, check=True,
+        [
+            str(bin_dir / "llama-perplexity"),
+            "-m",
+            str(model),
+            "-f",
+            str(text_file),
+            "-c",
+            str(PPL_CTX),
+            "-b",
+            str(PPL_CTX),
+            "-t",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", proc.stdout + proc.stderr)
-    return {"file": text_file.name, "n_ctx": PPL_CTX, "ppl": float(m.group(1)),
-            "error": float(m.group(2))}
+    return {
+        "file": text_file.name,
+        "n_ctx": PPL_CTX,
+        "ppl": float(m.group(1)),
+        "error": float(m.group(2)),
+    }
 
 
 def main() -> None:

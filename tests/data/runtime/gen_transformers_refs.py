@@ -29,8 +29,18 @@ N_TOKENS = 512
 
 def llama_tokenize(bin_dir: Path, model: Path, text_file: Path) -> list[int]:
     out = subprocess.run(
-        [str(bin_dir / "llama-tokenize"), "-m", str(model), "-f", str(text_file), "--ids",
-         "--log-disable"], capture_output=True, text=True, check=True,
+        [
+            str(bin_dir / "llama-tokenize"),
+            "-m",
+            str(model),
+            "-f",
+            str(text_file),
+            "--ids",
+            "--log-disable",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
