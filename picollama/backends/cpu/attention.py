@@ -219,7 +219,7 @@ def _make_kernels(f16: bool):
 # cache dtype -> (serial, parallel) drivers. A parallel region costs microseconds to start,
 # more than a short decode-time attention takes, so small jobs run on one thread.
 _KERNELS = {np.dtype(np.uint16): _make_kernels(True), np.dtype(np.float32): _make_kernels(False)}
-_PARALLEL_MIN_WORK = 1 << 16  # query-key dot products
+_PARALLEL_MIN_WORK = 1 << 13  # query-key dot products: a decode step past ~15 positions
 
 
 def attention(
