@@ -86,6 +86,15 @@ class _Ops:
     def load_f16(self, ptr, offset):
         return self.b.fpext(self.load(ptr, offset, F16), F32)
 
+    def load_f16_pair(self, ptr, offset):
+        """The two adjacent halves at ``offset`` (a block's d and m), widened in one go."""
+        b = self.b
+        pair = b.fpext(self.load(ptr, offset, _vec(F16, 2)), _vec(F32, 2))
+        return (
+            b.extract_element(pair, ir.Constant(I32, 0)),
+            b.extract_element(pair, ir.Constant(I32, 1)),
+        )
+
     def maddubs(self, a_u8, b_s8):
         """pmaddubsw: adjacent pairs of u8 * s8 products summed to i16 (saturating)."""
         if HAS_AVX2:
@@ -197,14 +206,16 @@ def _legacy_body(qtype):
         base = b.mul(i, ir.Constant(I64, size))
         qy = o.load(xq, b.mul(i, ir.Constant(I64, 32)), _vec(I8, 32))
         dy = b.load(b.gep(xd, [i]))
-        dx = o.load_f16(w, base)
+        if qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
+            dx, m = o.load_f16_pair(w, base)
+        else:
+            dx = o.load_f16(w, base)
         if qtype == GGMLType.Q4_0:
             # Q4_0: nibble - 8
             qx = b.sub(o.nibbles_32(w, b.add(base, ir.Constant(I64, 2))), _splat(I8, 32, 8))
             q = o.mul_sum_i8_pairs_float(qx, qy)
             acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
         elif qtype == GGMLType.Q4_1:
-            m = o.load_f16(w, b.add(base, ir.Constant(I64, 2)))
             sy = b.load(b.gep(b.bitcast(xs, F32.as_pointer()), [i]))
             summs = b.fadd(summs, b.fmul(m, sy))
             d0d1 = b.fmul(o.splat8(dx), o.splat8(dy))
@@ -217,7 +228,6 @@ def _legacy_body(qtype):
             q = o.mul_sum_i8_pairs_float(b.or_(qx, hi), qy)
             acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
         elif qtype == GGMLType.Q5_1:
-            m = o.load_f16(w, b.add(base, ir.Constant(I64, 2)))
             sy = b.load(b.gep(b.bitcast(xs, F32.as_pointer()), [i]))
             summs = b.fadd(summs, b.fmul(m, sy))
             qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 8)))
