@@ -33,10 +33,15 @@ class Llama:
         n_batch: int = 512,
         n_threads: int | None = None,
         backend: str = "cpu",
+        device: int | str | None = None,
         seed: int = DEFAULT_SEED,
         chat_template: str | None = None,
         verbose: bool = False,
     ):
+        """``device`` picks the device of the cuda backend (a GPU index) or the opencl one (an
+        index, ``"platform:device"`` or a name); None: the backend's default."""
+        if device is not None:
+            backend = _backend_on_device(backend, device, n_threads)
         self.ctx = Context(
             model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, backend=backend
         )
@@ -328,6 +333,22 @@ class Llama:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _backend_on_device(name: str, device: int | str, n_threads: int | None):
+    """Backend ``name`` created on ``device`` (a digit string counts as an index)."""
+    from picollama.backends.base import BackendError, get_backend
+
+    if isinstance(device, str) and device.strip().isdigit():
+        device = int(device)
+    try:
+        return get_backend(name, n_threads=n_threads, device=device)
+    except TypeError as err:
+        if "device" not in str(err):
+            raise
+        raise BackendError(
+            f"the {name} backend has no devices to pick (device={device!r})"
+        ) from None
 
 
 def _request_grammar(grammar, response_format):

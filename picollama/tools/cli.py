@@ -142,6 +142,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="picollama-cli", description=__doc__.split("\n")[0])
     add_model_args(p)
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cuda: GPU index; opencl: device index, PLATFORM:DEVICE or a name such as pocl "
+        "(default: PYOPENCL_CTX, else the first GPU, else the first device)",
+    )
     p.add_argument("-p", "--prompt", default=None, help="prompt text")
     p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
     p.add_argument(
@@ -333,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             n_batch=args.batch_size,
             n_threads=args.threads,
             backend=args.backend,
+            device=args.device,
             seed=args.seed,
             chat_template=args.chat_template,
         )
