@@ -205,9 +205,8 @@ def _simd_parts(qtype: int):
 
     ``quantize(x)`` converts the activation rows to the type's dot type (in parallel over
     rows for a batch) and returns ``(xq, xd, xs, bsums)``; ``rows(w, xq, xd, xs, bsums,
-    out, r_lo, r_hi)`` fills ``out[:, r_lo:r_hi]``: for decode two weight rows at a time
-    (independent accumulator chains), for a batch each weight row once per tile of x rows,
-    dotted with four x rows at a time."""
+    out, r_lo, r_hi)`` fills ``out[:, r_lo:r_hi]``: for decode row by row, for a batch each
+    weight row once per tile of x rows, dotted with four x rows at a time."""
     qtype = int(qtype)
     vtype = VEC_DOT_TYPE[GGMLType(qtype)]
     k_quant = vtype == GGMLType.Q8_K
@@ -248,17 +247,24 @@ def _simd_parts(qtype: int):
                     )
         return xq, xd, xs, bsums
 
+    # decode: Q6_K's long block gains from two weight rows' independent accumulator chains;
+    # for the other types the second row's live registers cost more than they give
+    # (measured: Q8_0 39 GB/s one row at a time, 16 GB/s two)
+    pair_rows = qtype == GGMLType.Q6_K
+
     @njit(inline="always")
     def rows(w, xq, xd, xs, bsums, out, r_lo, r_hi):
         n = xq.shape[0]
         if n < 4:
             for i in range(n):
                 r = r_lo
-                while r + 2 <= r_hi:
-                    vec_dot_rows(qtype, 1, 2, w, r, xq, xd, xs, bsums, i, out)
-                    r += 2
-                if r < r_hi:
+                if pair_rows:
+                    while r + 2 <= r_hi:
+                        vec_dot_rows(qtype, 1, 2, w, r, xq, xd, xs, bsums, i, out)
+                        r += 2
+                while r < r_hi:
                     vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
+                    r += 1
             return
         for i0 in range(0, n, TILE_ROWS):
             i1 = min(n, i0 + TILE_ROWS)
