@@ -24,6 +24,8 @@ import math
 
 import numba as nb
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from picollama.backends.cpu.ggml_math import expf, hsum8_f32, v_expf
 from picollama.backends.cpu.intrinsics import fma_f32, half_to_f32, round_f16
@@ -42,183 +44,199 @@ _F = np.float32
 _NEG_INF = _F(-np.inf)
 
 
-def _make_kernels(f16: bool):
-    """The two paths for one cache type (uint16 F16 bits, or float32)."""
+def kv(cache, j, h, d):
+    """``cache[j, h, d]`` as float32: F16 bits (uint16) widened, or float32 as it is."""
+    raise NotImplementedError("kv is only callable from Numba-compiled code")
 
-    @nb.njit(inline="always")
-    def kv(cache, j, h, d):
-        if f16:
+
+@overload(kv, inline="always")
+def _kv_overload(cache, j, h, d):
+    if cache.dtype == types.uint16:
+
+        def impl(cache, j, h, d):
             return half_to_f32(cache[j, h, d], F16_TABLE)
-        return cache[j, h, d]
 
-    @nb.njit(nogil=True, cache=True, fastmath=False)
-    def one_chunk(q, k_cache, v_cache, start, scale, window, softcap, out, t, h, group):
-        """One query row against its keys: ggml's ..._f16_one_chunk."""
-        head_dim = q.shape[2]
-        dv = v_cache.shape[2]
-        kvh = h // group
-        pos = start + t
-        lo = max(0, pos - window + 1) if window > 0 else 0
-        hi = pos + 1
-        qh = np.empty(head_dim, _F)
-        for d in range(head_dim):
-            qh[d] = round_f16(q[t, h, d])
-        lanes = np.empty(32, _F)
-        acc = np.zeros(dv, _F)  # VKQ16: F16 values held in float32
-        big_m = _NEG_INF
-        total = _F(0.0)
-        for j in range(lo, hi):
-            # ggml_vec_dot_f16: 4 x 8 lanes of FMAs, then its REDUCE order
-            lanes[:] = 0.0
-            for i in range(0, head_dim - head_dim % 32, 32):
-                for ln in range(32):
-                    lanes[ln] = fma_f32(kv(k_cache, j, kvh, i + ln), qh[i + ln], lanes[ln])
-            for ln in range(8):
-                lanes[ln] = (lanes[ln] + lanes[ln + 16]) + (lanes[ln + 8] + lanes[ln + 24])
-            t0 = lanes[0] + lanes[4]
-            t1 = lanes[1] + lanes[5]
-            t2 = lanes[2] + lanes[6]
-            t3 = lanes[3] + lanes[7]
-            sd = np.float64((t0 + t1) + (t2 + t3))
-            for i in range(head_dim - head_dim % 32, head_dim):
-                sd += np.float64(kv(k_cache, j, kvh, i) * qh[i])
-            s = _F(sd) * scale
-            if softcap > 0:
-                s = softcap * math.tanh(s)  # tanhf
-            ms = _F(1.0)
-            vs = _F(1.0)
-            if s > big_m:
-                ms = expf(big_m - s)
-                big_m = s
-                for d in range(dv):
-                    acc[d] = round_f16(acc[d] * ms)
-            else:
-                vs = expf(s - big_m)
+    else:
+
+        def impl(cache, j, h, d):
+            return cache[j, h, d]
+
+    return impl
+
+
+# Module-level functions, not closures: Numba's disk cache finds them again in the next
+# process (a closure over other compiled functions was compiled anew at every start). The
+# cache's dtype is part of each signature, so each dtype gets its own compiled code.
+
+
+@nb.njit(nogil=True, cache=True, fastmath=False)
+def one_chunk(q, k_cache, v_cache, start, scale, window, softcap, out, t, h, group):
+    """One query row against its keys: ggml's ..._f16_one_chunk."""
+    head_dim = q.shape[2]
+    dv = v_cache.shape[2]
+    kvh = h // group
+    pos = start + t
+    lo = max(0, pos - window + 1) if window > 0 else 0
+    hi = pos + 1
+    qh = np.empty(head_dim, _F)
+    for d in range(head_dim):
+        qh[d] = round_f16(q[t, h, d])
+    lanes = np.empty(32, _F)
+    acc = np.zeros(dv, _F)  # VKQ16: F16 values held in float32
+    big_m = _NEG_INF
+    total = _F(0.0)
+    for j in range(lo, hi):
+        # ggml_vec_dot_f16: 4 x 8 lanes of FMAs, then its REDUCE order
+        lanes[:] = 0.0
+        for i in range(0, head_dim - head_dim % 32, 32):
+            for ln in range(32):
+                lanes[ln] = fma_f32(kv(k_cache, j, kvh, i + ln), qh[i + ln], lanes[ln])
+        for ln in range(8):
+            lanes[ln] = (lanes[ln] + lanes[ln + 16]) + (lanes[ln + 8] + lanes[ln + 24])
+        t0 = lanes[0] + lanes[4]
+        t1 = lanes[1] + lanes[5]
+        t2 = lanes[2] + lanes[6]
+        t3 = lanes[3] + lanes[7]
+        sd = np.float64((t0 + t1) + (t2 + t3))
+        for i in range(head_dim - head_dim % 32, head_dim):
+            sd += np.float64(kv(k_cache, j, kvh, i) * qh[i])
+        s = _F(sd) * scale
+        if softcap > 0:
+            s = softcap * math.tanh(s)  # tanhf
+        ms = _F(1.0)
+        vs = _F(1.0)
+        if s > big_m:
+            ms = expf(big_m - s)
+            big_m = s
             for d in range(dv):
-                acc[d] = round_f16(fma_f32(kv(v_cache, j, kvh, d), vs, acc[d]))
-            total = fma_f32(total, ms, vs)  # S = S*ms + vs, contracted by the compiler
-        inv = _F(1.0) / total if total != 0 else _F(0.0)
+                acc[d] = round_f16(acc[d] * ms)
+        else:
+            vs = expf(s - big_m)
         for d in range(dv):
-            out[t, h * dv + d] = acc[d] * inv
+            acc[d] = round_f16(fma_f32(kv(v_cache, j, kvh, d), vs, acc[d]))
+        total = fma_f32(total, ms, vs)  # S = S*ms + vs, contracted by the compiler
+    inv = _F(1.0) / total if total != 0 else _F(0.0)
+    for d in range(dv):
+        out[t, h * dv + d] = acc[d] * inv
 
-    @nb.njit(nogil=True, cache=True, fastmath=False)
-    def tiled(q, k_cache, v_cache, start, scale, window, softcap, out, t0, t1, kvh, group):
-        """Query rows t0..t1 of the heads of KV head ``kvh``: ggml's ..._tiled."""
-        head_dim = q.shape[2]
-        dv = v_cache.shape[2]
-        rows = (t1 - t0) * group
-        big_m = np.full(rows, _NEG_INF, _F)
-        total = np.zeros(rows, _F)
-        acc = np.zeros((rows, dv), _F)
-        kt = np.zeros((head_dim, FA_TILE_KV), _F)  # the K tile, transposed
-        vt = np.zeros((FA_TILE_KV, dv), _F)
-        kq = np.empty(FA_TILE_KV, _F)
-        lo_first = start + t0 - window + 1 if window > 0 else 0
-        ic0 = max(0, lo_first) // FA_TILE_KV * FA_TILE_KV
-        n_kv = start + t1  # keys beyond the last row's position are masked for every row
-        for ic in range(ic0, n_kv, FA_TILE_KV):
-            kv_tile = min(FA_TILE_KV, n_kv - ic)
-            for tk in range(kv_tile):
-                for d in range(head_dim):
-                    kt[d, tk] = kv(k_cache, ic + tk, kvh, d)
-                for d in range(dv):
-                    vt[tk, d] = kv(v_cache, ic + tk, kvh, d)
-            for r in range(rows):
-                t = t0 + r // group
-                h = kvh * group + r % group
-                pos = start + t
-                lo = max(0, pos - window + 1) if window > 0 else 0
-                if ic + FA_TILE_KV <= lo or ic > pos:
-                    continue  # every key of this tile is masked for this row
-                kq[:] = 0.0
-                for d in range(head_dim):
-                    qd = q[t, h, d]
-                    for tk in range(FA_TILE_KV):
-                        kq[tk] = fma_f32(kt[d, tk], qd, kq[tk])
-                tile_max = _NEG_INF
-                for tk in range(FA_TILE_KV):
-                    s = kq[tk] * scale
-                    if softcap > 0:
-                        s = math.tanh(s) * softcap  # tanhf
-                    j = ic + tk
-                    if tk >= kv_tile or j < lo or j > pos:
-                        s = _NEG_INF
-                    kq[tk] = s
-                    tile_max = max(tile_max, s)
-                m_old = big_m[r]
-                m_new = max(m_old, tile_max)
-                if m_new > m_old:
-                    ms = expf(m_old - m_new)
-                    for d in range(dv):
-                        acc[r, d] *= ms
-                    total[r] *= ms
-                big_m[r] = m_new
-                psum = 0.0  # ggml_float
-                for tk in range(FA_TILE_KV):
-                    kq[tk] = v_expf(kq[tk] - m_new)
-                for g in range(0, FA_TILE_KV, 8):
-                    psum += np.float64(hsum8_f32(kq, g))
-                total[r] = _F(np.float64(total[r]) + psum)
-                for tk in range(FA_TILE_KV):
-                    p = kq[tk]
-                    for d in range(dv):
-                        acc[r, d] = fma_f32(vt[tk, d], p, acc[r, d])
+
+@nb.njit(nogil=True, cache=True, fastmath=False)
+def tiled(q, k_cache, v_cache, start, scale, window, softcap, out, t0, t1, kvh, group):
+    """Query rows t0..t1 of the heads of KV head ``kvh``: ggml's ..._tiled."""
+    head_dim = q.shape[2]
+    dv = v_cache.shape[2]
+    rows = (t1 - t0) * group
+    big_m = np.full(rows, _NEG_INF, _F)
+    total = np.zeros(rows, _F)
+    acc = np.zeros((rows, dv), _F)
+    kt = np.zeros((head_dim, FA_TILE_KV), _F)  # the K tile, transposed
+    vt = np.zeros((FA_TILE_KV, dv), _F)
+    kq = np.empty(FA_TILE_KV, _F)
+    lo_first = start + t0 - window + 1 if window > 0 else 0
+    ic0 = max(0, lo_first) // FA_TILE_KV * FA_TILE_KV
+    n_kv = start + t1  # keys beyond the last row's position are masked for every row
+    for ic in range(ic0, n_kv, FA_TILE_KV):
+        kv_tile = min(FA_TILE_KV, n_kv - ic)
+        for tk in range(kv_tile):
+            for d in range(head_dim):
+                kt[d, tk] = kv(k_cache, ic + tk, kvh, d)
+            for d in range(dv):
+                vt[tk, d] = kv(v_cache, ic + tk, kvh, d)
         for r in range(rows):
             t = t0 + r // group
             h = kvh * group + r % group
-            inv = _F(1.0) / total[r] if total[r] != 0 else _F(0.0)
-            for d in range(dv):
-                out[t, h * dv + d] = acc[r, d] * inv
-
-    def driver(q, k_cache, v_cache, start, scale, window, softcap, out, chunk):
-        n, n_heads, _ = q.shape
-        group = n_heads // k_cache.shape[1]
-        if softcap > 0:
-            scale = _F(scale / softcap)  # ggml: s = softcap * tanh(s * scale / softcap)
-        if chunk:
-            for job in nb.prange(n * n_heads):
-                one_chunk(
-                    q,
-                    k_cache,
-                    v_cache,
-                    start,
-                    scale,
-                    window,
-                    softcap,
-                    out,
-                    job // n_heads,
-                    job % n_heads,
-                    group,
-                )
-        else:
-            n_tiles = (n + FA_TILE_Q - 1) // FA_TILE_Q
-            n_kv_heads = k_cache.shape[1]
-            for job in nb.prange(n_tiles * n_kv_heads):
-                t0 = (job // n_kv_heads) * FA_TILE_Q
-                tiled(
-                    q,
-                    k_cache,
-                    v_cache,
-                    start,
-                    scale,
-                    window,
-                    softcap,
-                    out,
-                    t0,
-                    min(n, t0 + FA_TILE_Q),
-                    job % n_kv_heads,
-                    group,
-                )
-
-    return (
-        nb.njit(nogil=True, cache=True, parallel=False)(driver),
-        nb.njit(nogil=True, cache=True, parallel=True)(driver),
-    )
+            pos = start + t
+            lo = max(0, pos - window + 1) if window > 0 else 0
+            if ic + FA_TILE_KV <= lo or ic > pos:
+                continue  # every key of this tile is masked for this row
+            kq[:] = 0.0
+            for d in range(head_dim):
+                qd = q[t, h, d]
+                for tk in range(FA_TILE_KV):
+                    kq[tk] = fma_f32(kt[d, tk], qd, kq[tk])
+            tile_max = _NEG_INF
+            for tk in range(FA_TILE_KV):
+                s = kq[tk] * scale
+                if softcap > 0:
+                    s = math.tanh(s) * softcap  # tanhf
+                j = ic + tk
+                if tk >= kv_tile or j < lo or j > pos:
+                    s = _NEG_INF
+                kq[tk] = s
+                tile_max = max(tile_max, s)
+            m_old = big_m[r]
+            m_new = max(m_old, tile_max)
+            if m_new > m_old:
+                ms = expf(m_old - m_new)
+                for d in range(dv):
+                    acc[r, d] *= ms
+                total[r] *= ms
+            big_m[r] = m_new
+            psum = 0.0  # ggml_float
+            for tk in range(FA_TILE_KV):
+                kq[tk] = v_expf(kq[tk] - m_new)
+            for g in range(0, FA_TILE_KV, 8):
+                psum += np.float64(hsum8_f32(kq, g))
+            total[r] = _F(np.float64(total[r]) + psum)
+            for tk in range(FA_TILE_KV):
+                p = kq[tk]
+                for d in range(dv):
+                    acc[r, d] = fma_f32(vt[tk, d], p, acc[r, d])
+    for r in range(rows):
+        t = t0 + r // group
+        h = kvh * group + r % group
+        inv = _F(1.0) / total[r] if total[r] != 0 else _F(0.0)
+        for d in range(dv):
+            out[t, h * dv + d] = acc[r, d] * inv
 
 
-# cache dtype -> (serial, parallel) drivers. A parallel region costs microseconds to start,
-# more than a short decode-time attention takes, so small jobs run on one thread.
-_KERNELS = {np.dtype(np.uint16): _make_kernels(True), np.dtype(np.float32): _make_kernels(False)}
+def _driver(q, k_cache, v_cache, start, scale, window, softcap, out, chunk):
+    n, n_heads, _ = q.shape
+    group = n_heads // k_cache.shape[1]
+    if softcap > 0:
+        scale = _F(scale / softcap)  # ggml: s = softcap * tanh(s * scale / softcap)
+    if chunk:
+        for job in nb.prange(n * n_heads):
+            one_chunk(
+                q,
+                k_cache,
+                v_cache,
+                start,
+                scale,
+                window,
+                softcap,
+                out,
+                job // n_heads,
+                job % n_heads,
+                group,
+            )
+    else:
+        n_tiles = (n + FA_TILE_Q - 1) // FA_TILE_Q
+        n_kv_heads = k_cache.shape[1]
+        for job in nb.prange(n_tiles * n_kv_heads):
+            t0 = (job // n_kv_heads) * FA_TILE_Q
+            tiled(
+                q,
+                k_cache,
+                v_cache,
+                start,
+                scale,
+                window,
+                softcap,
+                out,
+                t0,
+                min(n, t0 + FA_TILE_Q),
+                job % n_kv_heads,
+                group,
+            )
+
+
+_serial = nb.njit(nogil=True, cache=True, parallel=False)(_driver)
+_parallel = nb.njit(nogil=True, cache=True, parallel=True)(_driver)
+
+
+# A parallel region costs microseconds to start, more than a short decode-time attention
+# takes, so small jobs run on one thread.
 _PARALLEL_MIN_WORK = 1 << 13  # query-key dot products: a decode step past ~15 positions
 
 
@@ -237,8 +255,7 @@ def attention(
     n, n_heads, head_dim = q.shape
     out = np.empty((n, n_heads * v_cache.shape[2]), np.float32)
     work = n * n_heads * (start + n) * head_dim
-    serial, parallel = _KERNELS[k_cache.dtype]
-    kernel = parallel if work >= _PARALLEL_MIN_WORK else serial
+    kernel = _parallel if work >= _PARALLEL_MIN_WORK else _serial
     chunk = k_cache.dtype == np.uint16 and n < FA_TILE_Q
     kernel(
         np.ascontiguousarray(q, dtype=np.float32),
