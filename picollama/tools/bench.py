@@ -24,6 +24,31 @@ import numpy as np
 __all__ = ["main", "measure_bandwidth"]
 
 
+# general.file_type (llama.cpp's llama_ftype) -> the name llama-bench shows; a file without
+# it is named by the type holding most of its bytes
+_FILE_TYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    25: "IQ4_NL",
+    30: "IQ4_XS",
+    32: "BF16",
+}
+
+
 def measure_bandwidth(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
     """Bytes/s of a large array copy (read + write), the best of ``repeats``."""
     src = np.ones(n_bytes // 8, dtype=np.float64)
@@ -110,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     types = {}
     for t in reader.tensors:
         types[t.type.name] = types.get(t.type.name, 0) + t.nbytes
-    main_type = max(types, key=types.get)
+    main_type = _FILE_TYPES.get(reader.get("general.file_type"), max(types, key=types.get))
     model_desc = f"{ctx.model.args.arch} {n_params / 1e6:.0f}M {main_type}"
     rng = np.random.default_rng(0)
 
