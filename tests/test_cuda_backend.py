@@ -7,13 +7,23 @@ Error bounds, and why:
 - Dequantization (get_rows) is bit-exact: the kernels repeat ggml's float32 operations in
   order (``__fmul_rn``/``__fadd_rn``, no FMA contraction), so every type must equal
   ``picollama.quant.dequantize`` exactly.
-- matmul for every type: the weights are dequantized exactly, so the only error is float32
-  summation, in any order (FMAs per lane then a shuffle tree for decode; cuBLAS SGEMM for
-  prefill). The classical bound for a float32 sum of k products is
-  ``|err| <= gamma_k * sum_j |x_j w_j|`` with ``gamma_k ~ k * 2**-24``; we allow
-  ``(k + 32) * 2**-24 * (|x| @ |W|^T)`` per output. The same bound holds for every type
-  because the type only changes the weights, not the arithmetic; TF32 or fp16 arithmetic
-  (10-bit mantissas) would break it by a factor of 2**13, and a wrong weight by far more.
+- matmul with float activations (arithmetic "exact", every type; arithmetic "ggml" for the
+  types without an int8 kernel; and prefill, through cuBLAS, in both): the weights are
+  dequantized exactly, so the only error is float32 summation, in any order. The classical
+  bound for a float32 sum of k products is ``|err| <= gamma_k * sum_j |x_j w_j|`` with
+  ``gamma_k ~ k * 2**-24``; we allow ``(k + 32) * 2**-24 * (|x| @ |W|^T)`` per output. TF32
+  or fp16 arithmetic (10-bit mantissas) would break it by a factor of 2**13, and a wrong
+  weight by far more.
+- matmul with int8 activations (arithmetic "ggml", ``layout.Q8DOT_TYPES``, up to
+  ``MV_MAX_TOKENS`` rows, mmvq.cu): each run of 32 values of x becomes d * q with
+  d = max|x| / 127 and q = round(x / d), so ``|x_j - xq_j| <= d / 2`` (we allow
+  ``0.5001 d + 2**-22 |x_j|`` for the float32 division), and the integer block dots are
+  exact: the kernel computes ``xq @ W^T`` up to float32 rounding of O(k / 16) scaled block
+  terms. So ``|y - x @ W^T| <= (0.5001 d + 2**-22 |x|) @ |W|^T
+  + (k / 16 + 64) * 2**-24 * ((|x| + d) @ A^T)``, A the weight magnitude with the min term
+  of Q4_K counted positive (as tests/test_qdot.py does). The first term is the activation
+  rounding (relative ~1/254 per value, ~1e-2 of |y| at most, in practice ~1e-3 as the
+  roundings' signs are random); a wrong code or scale breaks it at once.
 - Non-matmul ops follow the CPU backend's float32 operation order; see each test.
 """
 
@@ -24,6 +34,7 @@ import pytest
 
 from picollama.backends.base import BackendError, KVCache, get_backend
 from picollama.backends.cuda import layout
+from picollama.backends.cuda.backend import MV_MAX_TOKENS
 from picollama.gguf.constants import GGML_TYPES, GGMLType
 from picollama.quant import dequantize, quantize
 
@@ -39,6 +50,12 @@ def _cuda(**options):
 def be():
     """An eager backend (no decode graphs), shared by the op tests."""
     return _cuda(graphs=False)
+
+
+@pytest.fixture(scope="module")
+def be_exact():
+    """An eager backend with float activations in every matvec."""
+    return _cuda(graphs=False, arithmetic="exact")
 
 
 # -- no GPU needed ------------------------------------------------------------------------
@@ -92,8 +109,34 @@ def test_unavailable_backend_says_why():
 TYPES = sorted(layout.SUPPORTED_TYPES)
 
 
+# fp16 byte of each int8-kernel type's min term (Q4_K's dmin) that holds the sign bit
+_MIN_SIGN_BYTE = {GGMLType.Q4_K: 3}
+
+
+def _weight_magnitude(raw: np.ndarray, qtype: GGMLType, m: int, k: int) -> np.ndarray:
+    """|w| with the min term counted positive (float64): bounds every block term."""
+    a = np.abs(dequantize(raw, qtype).astype(np.float64)).reshape(m, k)
+    if qtype in _MIN_SIGN_BYTE:
+        blocks = raw.reshape(m, -1, GGML_TYPES[qtype].type_size).copy()
+        blocks[:, :, _MIN_SIGN_BYTE[qtype]] ^= 0x80
+        flipped = np.abs(dequantize(blocks.reshape(raw.shape), qtype).astype(np.float64))
+        a = np.maximum(a, flipped.reshape(m, k))
+    return a
+
+
+def _int8_bound(x: np.ndarray, W64: np.ndarray, A: np.ndarray) -> np.ndarray:
+    """The int8-activation error bound of the module doc, per output (n, m)."""
+    n, k = x.shape
+    ax = np.abs(x).astype(np.float64)
+    d = np.repeat(ax.reshape(n, k // 32, 32).max(axis=2) / 127.0, 32, axis=1)
+    rounding = (0.5001 * d + 2.0**-22 * ax) @ np.abs(W64).T
+    return rounding + (k / 16 + 64) * 2.0**-24 * ((ax + d) @ A.T)
+
+
+@pytest.mark.parametrize("arithmetic", ["ggml", "exact"])
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-def test_get_rows_and_matmul_every_type(be, qtype):
+def test_get_rows_and_matmul_every_type(be, be_exact, qtype, arithmetic):
+    backend = be if arithmetic == "ggml" else be_exact
     rng = np.random.default_rng(1000 + int(qtype))
     block = layout.chunk_block(qtype)
     k = 3 * block if block == 256 else 7 * block  # several blocks, not a power of two
@@ -101,26 +144,91 @@ def test_get_rows_and_matmul_every_type(be, qtype):
     w = rng.standard_normal((m, k)).astype(np.float32)
     raw = quantize(w, qtype).reshape(m, -1)
     W = dequantize(raw, qtype).reshape(m, k)
-    wt = be.weight("w", qtype, (k, m), raw)
-    assert be.supports("matmul", qtype)
+    wt = backend.weight("w", qtype, (k, m), raw)
+    assert backend.supports("matmul", qtype)
 
     ids = np.array([0, m - 1, 7, 7, 64])
-    rows = be.to_host(be.get_rows(wt, ids))
+    rows = backend.to_host(backend.get_rows(wt, ids))
     assert np.array_equal(rows, W[ids]), "dequantization must be bit-exact"
 
     W64 = W.astype(np.float64)
+    A = _weight_magnitude(raw, qtype, m, k)
     for n in (1, 3, 8, 9, 37):  # matvec up to 8 rows, tiles + cuBLAS above
-        x = rng.standard_normal((n, k)).astype(np.float32)
-        y = be.to_host(be.matmul(be.from_host(x), wt))
+        # activations of mixed sizes, so that the runs of 32 get different scales
+        x = rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, size=(n, k // 32)).repeat(32, 1)
+        x = x.astype(np.float32)
+        y = backend.to_host(backend.matmul(backend.from_host(x), wt))
         ref = x.astype(np.float64) @ W64.T
-        bound = (k + 32) * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(W64).T)
+        int8 = arithmetic == "ggml" and qtype in layout.Q8DOT_TYPES and n <= MV_MAX_TOKENS
+        if int8:
+            bound = _int8_bound(x, W64, A)
+        else:
+            bound = (k + 32) * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(W64).T)
         err = np.abs(y - ref)
         assert y.shape == (n, m)
         assert np.all(err <= bound), (n, float((err / (bound + 1e-30)).max()))
         # shown with -s: the worst error as a share of the bound, and relative to |ref|max
         rel = float(err.max() / np.abs(ref).max())
         ratio = float((err / (bound + 1e-30)).max())
-        print(f"{qtype.name} n={n}: err/bound {ratio:.3f}, rel {rel:.2e}")
+        print(f"{qtype.name} {arithmetic} n={n}: err/bound {ratio:.3f}, rel {rel:.2e}")
+        if int8:
+            # not the float path by accident: int8 rounding shows (exact would be ~1e-7)
+            assert rel > 1e-5
+
+
+def test_int8_matvec_fusions(be):
+    """The launches the decode graphs fuse (backend._fuse), run directly: Q, K and V in one
+    launch, and gate and up with SiLU / GELU in one launch, equal their separate int8
+    matvecs and activation bit for bit (the same integer dots and float32 steps per row);
+    a folded RMS norm normalizes as rms_norm does (its float64 sum in another order can
+    move the scale by an ulp, and with it an int8 code: compared within the int8 bound);
+    a folded residual add is one float32 addition: exact."""
+    from picollama.backends.cuda.backend import _Matvec
+
+    rng = np.random.default_rng(9)
+    k, n_tok = 512, 1
+    weights = []
+    for qtype, m in ((GGMLType.Q4_K, 96), (GGMLType.Q4_K, 40), (GGMLType.Q4_K, 40)):
+        raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
+        weights.append(be.weight("w", qtype, (k, m), raw))
+    x = be.from_host(rng.standard_normal((n_tok, k)).astype(np.float32))
+    singles = [be.to_host(be.matmul(x, w)) for w in weights]
+
+    def run(mv):
+        with be._stream:
+            mv.run()
+        return mv
+
+    ys = [be._empty((n_tok, w.m)) for w in weights]
+    mv = _Matvec(be, True, weights[0].data, ys[0], x, n_tok)
+    mv.weights += [weights[1].data, weights[2].data]
+    mv.ys += ys[1:]
+    run(mv)
+    for y, ref in zip(ys, singles, strict=True):
+        np.testing.assert_array_equal(be.to_host(y), ref)
+
+    gate, up = weights[1], weights[2]
+    g, u = be.matmul(x, gate), be.matmul(x, up)
+    for act, op in ((1, be.silu_mul), (2, be.gelu_mul)):
+        out = be._empty((n_tok, gate.m))
+        mv = _Matvec(be, True, gate.data, out, x, n_tok)
+        mv.weights.append(up.data)
+        mv.act = act
+        run(mv)
+        np.testing.assert_array_equal(be.to_host(out), be.to_host(op(g, u)))
+
+    norm_w = be.from_host(rng.uniform(0.5, 1.5, k).astype(np.float32))
+    resid = be.from_host(rng.standard_normal((n_tok, weights[0].m)).astype(np.float32))
+    h = be.rms_norm(x, norm_w, 1e-5)
+    ref = be.to_host(be.add(resid, be.matmul(h, weights[0])))
+    out = be._empty((n_tok, weights[0].m))
+    mv = _Matvec(be, True, weights[0].data, out, x, n_tok)
+    mv.norm_w, mv.eps, mv.resid = norm_w, 1e-5, resid
+    run(mv)
+    # the same int8 codes unless a normalized value sits within an ulp of a rounding tie
+    # (odds ~1e-4 here); then one code moves by 1, ~1e-3 of the scale
+    got = be.to_host(out)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 def test_weight_rejects_bad_rows(be):

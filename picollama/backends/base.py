@@ -223,6 +223,14 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Wait for queued work (optional, default: nothing to wait for)."""
 
+    def forward_step(self, model, segments: list) -> list[np.ndarray]:
+        """Run one forward pass of ``model`` (optional, default: ``model.forward_batch``).
+
+        ``BaseModel.forward`` calls this, so a backend that records decode steps may replay
+        a step it has proven identical instead of walking the model's ops (the CUDA graphs).
+        """
+        return model.forward_batch(segments)
+
 
 # name -> "module:Class"; GPU modules are imported only when asked for.
 BACKENDS: dict[str, str] = {

@@ -187,7 +187,8 @@ class BaseModel:
         ``logit_rows`` selects which of the batch's tokens get logits (default: the last);
         the result is a host float32 array (len(logit_rows), n_vocab).
         """
-        return self.forward_batch([Segment(np.asarray(tokens), start, cache, logit_rows)])[0]
+        segments = [Segment(np.asarray(tokens), start, cache, logit_rows)]
+        return self.backend.forward_step(self, segments)[0]  # default: forward_batch
 
     def forward_batch(self, segments: list[Segment]) -> list[np.ndarray]:
         """Run several sequences in one pass; host logits per segment."""

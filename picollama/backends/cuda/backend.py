@@ -6,9 +6,16 @@ device. Activations are float32 CuPy arrays. ``memory_report()`` gives the bytes
 weights, KV cache and workspace; a model that does not fit raises ``BackendError`` before
 anything is half-loaded past the tensor that failed.
 
-Compute. ``matmul`` runs a fused dequantize-and-dot kernel (``quant.cu``) for up to
-``MV_MAX_TOKENS`` rows of x (decode, speculative drafts, small batches); larger batches
-(prefill) dequantize tiles of the weight to float32 and multiply them with cuBLAS SGEMM.
+Compute. ``matmul`` runs a fused matrix-vector kernel for up to ``MV_MAX_TOKENS`` rows of x
+(decode, speculative drafts, small batches); larger batches (prefill) dequantize tiles of
+the weight to float32 and multiply them with cuBLAS SGEMM. ``arithmetic`` picks the
+matrix-vector arithmetic, as the CPU backend's option of that name does:
+- "ggml" (default): as llama.cpp's CUDA backend computes it. For Q4_0, Q5_0, Q8_0, Q4_K
+  and Q6_K (``layout.Q8DOT_TYPES``) x is quantized to int8 per run of 32 values inside the
+  kernel and multiplied with the weight codes by dp4a (``mmvq.cu``); other types take the
+  float kernel.
+- "exact": every type through the float kernel (``quant.cu``): exactly dequantized weights
+  times float32 x, as the CPU backend's "exact" arithmetic.
 Attention is flash-attention style (``ops.cu``): no score matrix, an online softmax over
 tiles of 32 keys, split over several blocks for decode.
 
@@ -23,16 +30,32 @@ position are copied to the device and the whole graph is launched, so the GPU ru
 Python walks through the rest of the model. ``to_host`` then reads back the logits. If an
 op does not match (another cache, another shape), the step falls back to eager execution
 from that op on, after computing the ops matched so far with their recorded launches.
-When the graph is captured, RMS norms that only feed matvecs, and residual adds of a
-matvec's output, are folded into the matvec kernels (``_fuse``), which cuts the kernels of
-a Llama layer from 16 to 12.
+
+Whole steps. Walking the model's ops costs Python time (about 1.5 us an op) even when
+every op only hands back a buffer, which bounds small models. So ``forward_step`` (the
+optional hook of the op interface that ``BaseModel.forward`` calls) keys single-token steps
+on (model, cache, logit rows): once such a step has replayed its graph op by op, matching
+the recording to the end, ``_TRUST_AFTER`` times at other positions, later steps with that
+key skip the model's Python entirely: token id and position go to the device, the graph is
+launched and the logits are read back. The contract this relies on is the one the graphs
+already rely on: a model's single-token pass issues the same ops whatever the token and
+the position (``graphs=False`` or ``whole_steps=False`` turn it off).
+
+Fusion. When the graph is captured (``_fuse``), RMS norms that only feed matvecs are folded
+into them (the matvec normalizes x itself, and, with int8 activations, quantizes the
+normalized values), residual adds into the matvec that produces their addend, and with
+"ggml" arithmetic sibling matvecs of one x (Q, K, V) into one launch and the gate and up
+matvecs with their SwiGLU/GeGLU into one launch; RoPE of q and k and the KV cache write go
+into one kernel. A Llama layer runs 6 kernels instead of 16.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,12 +64,13 @@ from picollama.backends.base import Backend, BackendError, KVCache, Weight
 from picollama.backends.cuda import layout
 from picollama.gguf.constants import GGMLType
 
-__all__ = ["CUDABackend", "MV_MAX_TOKENS", "WORKSPACE_FLOATS"]
+__all__ = ["CUDABackend", "MV_MAX_TOKENS", "WORKSPACE_FLOATS", "ARITHMETICS"]
 
 log = logging.getLogger("picollama.cuda")
 
 MV_MAX_TOKENS = 8  # rows of x that take the fused matrix-vector kernel (quant.cu)
 _MV_WARPS = 8  # warps per block of the matvec kernel (quant.cu)
+_MVQ_WARPS = 8  # warps per block of the int8-activation matvec kernel (mmvq.cu)
 _MV_PAD = 36  # floats of shared memory per chunk of 32 values of x (quant.cu)
 _MV_SMEM_LIMIT = 200 << 10  # bytes of x in shared memory; more rows go through cuBLAS
 WORKSPACE_FLOATS = 1 << 26  # 256 MiB of float32 for the prefill tiles of dequantized weight
@@ -56,6 +80,8 @@ _ATT_MAX_SPLITS = 64
 _MEM_MARGIN = 64 << 20  # bytes kept free for cuBLAS, the CUDA context and small buffers
 _EW_THREADS = 256  # threads per block of the elementwise kernels
 _MAX_GRAPH_MISSES = 4  # divergent replays before graphs are turned off
+_TRUST_AFTER = 2  # clean op-by-op replays of a (model, cache) step before whole-step replay
+ARITHMETICS = ("ggml", "exact")
 
 # modes of the backend while a forward pass runs
 _EAGER, _RECORD, _REPLAY = 0, 1, 2
@@ -88,6 +114,74 @@ class _DeviceWeight:
     lpr: int  # lanes of a warp per row in the matvec kernel
 
 
+class _Kernels:
+    """The kernels of one weight type (matvec_q8* only for ``layout.Q8DOT_TYPES``)."""
+
+    __slots__ = ("matvec", "dequant", "get_rows", "matvec_q8", "matvec_q8_n1")
+
+    def __init__(self, matvec, dequant, get_rows, matvec_q8=None, matvec_q8_n1=None):
+        self.matvec = matvec
+        self.dequant = dequant
+        self.get_rows = get_rows
+        self.matvec_q8 = matvec_q8
+        self.matvec_q8_n1 = matvec_q8_n1
+
+
+class _Launch:
+    """One recorded kernel launch."""
+
+    __slots__ = ("kernel", "grid", "block", "args", "shm")
+
+    def __init__(self, kernel, grid, block, args, shm=0):
+        self.kernel = kernel
+        self.grid = grid
+        self.block = block
+        self.args = tuple(args)
+        self.shm = shm
+
+    def copy(self) -> _Launch:
+        return _Launch(self.kernel, self.grid, self.block, self.args, self.shm)
+
+    def run(self) -> None:
+        self.kernel(self.grid, self.block, self.args, shared_mem=self.shm)
+
+
+class _Matvec:
+    """A matrix-vector launch by meaning (not by kernel arguments), so that ``_fuse`` can
+    fold a norm, a residual add, a gated activation or sibling weights into it.
+
+    ``weights`` (1 to 3 ``_DeviceWeight`` of one type and width, more than one only for
+    the int8 kernel) each write ``ys[i] = x @ W_i^T`` (n rows); with ``norm_w`` x is first
+    RMS-normalized and scaled by it; with ``resid``, ``ys[0] = resid + x @ W_0^T``; with
+    ``act`` (1: SiLU, 2: GELU) the two weights are a gate and an up matrix and
+    ``ys[0] = act(x @ W_0^T) * (x @ W_1^T)``.
+    """
+
+    __slots__ = ("be", "q8", "weights", "ys", "x", "n", "k", "norm_w", "eps", "resid", "act")
+
+    def __init__(self, be, q8: bool, w, y, x, n: int):
+        self.be = be
+        self.q8 = q8
+        self.weights = [w]
+        self.ys = [y]
+        self.x = x
+        self.n = n
+        self.k = w.k
+        self.norm_w = None
+        self.eps = 0.0
+        self.resid = None
+        self.act = 0
+
+    def copy(self) -> _Matvec:
+        c = copy.copy(self)
+        c.weights = list(self.weights)
+        c.ys = list(self.ys)
+        return c
+
+    def run(self) -> None:
+        self.be._run_matvec(self)
+
+
 class _OpRecord:
     """One op of a recorded decode step."""
 
@@ -106,11 +200,24 @@ class _Trace:
     def __init__(self, first_weight):
         self.first_weight = first_weight
         self.ops: list[_OpRecord] = []
-        self.launches: list[tuple] = []  # (kernel, grid, block, args, shared_mem)
+        self.launches: list = []  # _Launch or _Matvec, in order
         self.refs: list = [first_weight]  # objects whose id() appears in the keys
         self.graph = None
         self.launch_at = -1  # the op after whose check the graph is launched
         self.n_graph_kernels = 0
+
+
+class _Step:
+    """A (model, cache, logit rows) single-token step and how often its graph replayed
+    cleanly op by op; after ``_TRUST_AFTER`` such replays it is replayed whole."""
+
+    __slots__ = ("model", "cache", "trace", "clean")
+
+    def __init__(self, model, cache, trace):
+        self.model = weakref.ref(model)
+        self.cache = weakref.ref(cache)
+        self.trace = trace
+        self.clean = 0
 
 
 def _root(a):
@@ -118,20 +225,42 @@ def _root(a):
     return a if base is None else base
 
 
+def _mv_smem(n: int, k: int) -> int:
+    """Shared memory of the float matvec (quant.cu): padded x, then its half-chunk sums."""
+    return n * (k // 32) * (_MV_PAD + 2) * 4
+
+
+def _q8_smem(n: int, k: int) -> int:
+    """Shared memory of the int8 matvec (mmvq.cu): codes, scales and half sums of x."""
+    return n * k + n * (k // 32) * 4 + n * (k // 16) * 4
+
+
 class CUDABackend(Backend):
     """Runs the op interface on an NVIDIA GPU through CuPy.
 
-    ``device`` picks the GPU (default 0). ``graphs`` (default True) captures single-token
-    forward passes as CUDA graphs; ``fuse`` (default True) folds RMS norms and residual
-    adds into the matvecs of those graphs. ``n_threads`` is accepted for symmetry with the
-    CPU backend and ignored.
+    ``device`` picks the GPU (default 0). ``arithmetic`` is "ggml" (default: int8
+    activations and dp4a for the common quant types, as llama.cpp's CUDA backend) or
+    "exact" (float32 activations, exactly dequantized weights). ``graphs`` (default True)
+    captures single-token forward passes as CUDA graphs, and ``whole_steps`` (default True)
+    replays a proven step without walking the model (module doc); ``fuse`` (default True)
+    fuses the kernels of those graphs. ``n_threads`` is accepted for symmetry with the CPU
+    backend and ignored.
     """
 
     name = "cuda"
 
     def __init__(
-        self, n_threads: int | None = None, device: int = 0, graphs: bool = True, fuse: bool = True
+        self,
+        n_threads: int | None = None,
+        device: int = 0,
+        graphs: bool = True,
+        fuse: bool = True,
+        arithmetic: str = "ggml",
+        whole_steps: bool = True,
     ):
+        if arithmetic not in ARITHMETICS:
+            raise BackendError(f"unknown CUDA arithmetic '{arithmetic}' (ggml or exact)")
+        self.arithmetic = arithmetic
         cp = _import_cupy()
         self.cp = cp
         try:
@@ -158,8 +287,10 @@ class CUDABackend(Backend):
                 self._ops = cp.RawModule(code=layout.ops_source(), options=("-std=c++17",))
                 self._k_rms = self._ops.get_function("rms_norm")
                 self._k_rope = self._ops.get_function("rope")
+                self._k_rope_store = self._ops.get_function("rope_store")
                 self._k_store = self._ops.get_function("store_kv")
                 self._k_att = self._ops.get_function("attention")
+                self._k_att_dec = self._ops.get_function("attention_decode")
                 self._k_comb = self._ops.get_function("attn_combine")
                 self._k_add = self._ops.get_function("add")
                 self._k_mul = self._ops.get_function("mul")
@@ -172,7 +303,7 @@ class CUDABackend(Backend):
                 self._params_dev = cp.zeros(2, dtype=cp.int32)
         except cp.cuda.compiler.CompileException as err:
             raise BackendError(f"the CUDA kernels did not compile: {err}") from None
-        self._quant_mods: dict[GGMLType, tuple] = {}
+        self._quant_mods: dict[GGMLType, _Kernels] = {}
         self._params_mem = cp.cuda.alloc_pinned_memory(8)
         self._params_host = np.frombuffer(self._params_mem, dtype=np.int32, count=2)
         self._readback_mem = None
@@ -183,6 +314,7 @@ class CUDABackend(Backend):
         # decode graphs
         self.graphs = bool(graphs)
         self.fuse = bool(fuse)
+        self.whole_steps = bool(whole_steps)
         self._mode = _EAGER
         self._trace: _Trace | None = None
         self._traces: dict[int, _Trace] = {}
@@ -190,11 +322,17 @@ class CUDABackend(Backend):
         self._launched = False
         self._step_pos: int | None = None
         self._misses = 0
+        # whole-step replay: (id(model), id(cache), logit rows) -> _Step
+        self._steps: dict[tuple, _Step] = {}
+        self._n_launches = 0  # kernel launches and device copies so far (eager or recorded)
+        self._clean = None  # (trace, host logits, launches) of a step replayed to the end
+        # replayed: steps run from a graph (whole: of those, without walking the model);
         # host_s: Python time of replayed steps up to the logits read-back; wait_s: the
         # wait for the GPU there (both summed over steps)
         self.graph_stats = {
             "recorded": 0,
             "replayed": 0,
+            "whole": 0,
             "fallbacks": 0,
             "kernels": 0,
             "host_s": 0.0,
@@ -208,35 +346,49 @@ class CUDABackend(Backend):
 
     # -- kernels ----------------------------------------------------------------------------
 
-    def _quant_kernels(self, qtype: GGMLType):
-        """(matvec, dequant, get_rows) of one type, compiled on first use."""
-        mods = self._quant_mods.get(qtype)
-        if mods is None:
+    def _quant_kernels(self, qtype: GGMLType) -> _Kernels:
+        """The kernels of one weight type, compiled on first use."""
+        kernels = self._quant_mods.get(qtype)
+        if kernels is None:
             cp = self.cp
             try:
                 with self._stream:
                     mod = cp.RawModule(code=layout.quant_source(qtype), options=("-std=c++17",))
-                    mods = (
+                    kernels = _Kernels(
                         mod.get_function("matvec"),
                         mod.get_function("dequant"),
                         mod.get_function("get_rows"),
                     )
+                    if qtype in layout.Q8DOT_TYPES:
+                        kernels.matvec_q8 = mod.get_function("matvec_q8")
+                        kernels.matvec_q8_n1 = mod.get_function("matvec_q8_n1")
                     # x is staged in dynamic shared memory: allow more than 48 KiB
-                    mods[0].max_dynamic_shared_size_bytes = min(
-                        _MV_SMEM_LIMIT, self._smem_optin - 1024
-                    )
+                    for kernel in (kernels.matvec, kernels.matvec_q8, kernels.matvec_q8_n1):
+                        if kernel is not None:
+                            kernel.max_dynamic_shared_size_bytes = self._mv_smem_limit()
             except cp.cuda.compiler.CompileException as err:
                 raise BackendError(
                     f"the CUDA kernels for {qtype.name} did not compile: {err}"
                 ) from None
-            self._quant_mods[qtype] = mods
-        return mods
+            self._quant_mods[qtype] = kernels
+        return kernels
+
+    def _mv_smem_limit(self) -> int:
+        return min(_MV_SMEM_LIMIT, self._smem_optin - 1024)
 
     def _launch(self, kernel, grid, block, args, shared_mem=0):
         """Launch on the backend's stream (the caller holds ``with self._stream``)."""
+        launch = _Launch(kernel, grid, block, args, shared_mem)
         if self._mode == _RECORD:
-            self._trace.launches.append([kernel, grid, block, list(args), shared_mem])
-        kernel(grid, block, args, shared_mem=shared_mem)
+            self._trace.launches.append(launch)
+        self._n_launches += 1
+        launch.run()
+
+    def _launch_mv(self, mv: _Matvec) -> None:
+        if self._mode == _RECORD:
+            self._trace.launches.append(mv)
+        self._n_launches += 1
+        mv.run()
 
     # -- memory -----------------------------------------------------------------------------
 
@@ -415,6 +567,76 @@ class CUDABackend(Backend):
         """Forget the recorded decode graphs (and the buffers and weights they hold)."""
         self._end_step()
         self._traces.clear()
+        self._steps.clear()
+
+    # -- whole steps ------------------------------------------------------------------------
+
+    def forward_step(self, model, segments: list) -> list[np.ndarray]:
+        """``model.forward_batch(segments)``, or the replay of a proven decode step.
+
+        A single segment of one token is keyed on (model, cache, logit rows). Its step runs
+        through the model (recording, or replaying the graph op by op with every check);
+        when such a pass matched its recording to the end and nothing ran after the logits'
+        read-back, the key counts one clean replay. After ``_TRUST_AFTER`` of them, steps of
+        that key only set the token id and position, launch the graph and read back the
+        logits (see the module doc for the contract).
+        """
+        seg = segments[0] if len(segments) == 1 else None
+        if not (self.graphs and self.whole_steps) or seg is None or len(seg.tokens) != 1:
+            return model.forward_batch(segments)
+        rows = seg.logit_rows
+        rows_key = None if rows is None else tuple(np.asarray(rows).reshape(-1).tolist())
+        key = (id(model), id(seg.cache), rows_key)
+        step = self._steps.get(key)
+        if step is not None and (step.model() is not model or step.cache() is not seg.cache):
+            step = None  # ids reused by new objects
+        if (
+            step is not None
+            and step.clean >= _TRUST_AFTER
+            and self._traces.get(id(step.trace.first_weight)) is step.trace
+        ):
+            return [self._replay_whole(step.trace, seg)]
+        self._clean = None
+        out = model.forward_batch(segments)
+        clean, self._clean = self._clean, None
+        if clean is None or clean[2] != self._n_launches or len(out) != 1:
+            return out
+        trace, host, _ = clean
+        if out[0].base is not host or out[0].shape != host.shape:
+            return out  # the model did more than return the read-back logits
+        if step is None or step.trace is not trace:
+            self._steps = {
+                k: v
+                for k, v in self._steps.items()
+                if v.model() is not None and v.cache() is not None
+            }
+            step = self._steps[key] = _Step(model, seg.cache, trace)
+        step.clean += 1
+        return out
+
+    def _replay_whole(self, trace: _Trace, seg) -> np.ndarray:
+        """One decode step from its graph: the logits (1 row per logit row) on the host."""
+        token, start, cache = int(seg.tokens[0]), int(seg.start), seg.cache
+        w = trace.first_weight
+        if not 0 <= token < w.m:
+            raise BackendError(f"get_rows: row {token} is outside '{w.name}' ({w.m} rows)")
+        if start + 1 > cache.n_ctx:
+            raise BackendError(f"KV cache of {cache.n_ctx} positions overflows at {start + 1}")
+        self._end_step()
+        t0 = time.perf_counter()
+        self._params_host[0] = start
+        self._params_host[1] = token
+        with self._stream:
+            self._upload_params()
+            trace.graph.launch(stream=self._stream)
+        t1 = time.perf_counter()
+        host = self._read_back(trace.ops[-1].out)
+        stats = self.graph_stats
+        stats["host_s"] += t1 - t0
+        stats["wait_s"] += time.perf_counter() - t1
+        stats["replayed"] += 1
+        stats["whole"] += 1
+        return host
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -423,6 +645,7 @@ class CUDABackend(Backend):
             return x
         if self._mode == _RECORD:
             self._abort_record()
+        self._n_launches += 1
         with self._stream:
             return self.cp.ascontiguousarray(x)
 
@@ -559,8 +782,8 @@ class CUDABackend(Backend):
         n = trace.ops[i].launch_start if i < len(trace.ops) else len(trace.launches)
         with self._stream:
             self._upload_params()
-            for kernel, grid, block, args, shm in trace.launches[:n]:
-                kernel(grid, block, tuple(args), shared_mem=shm)
+            for launch in trace.launches[:n]:
+                launch.run()
         self._traces.pop(id(trace.first_weight), None)
         self.graph_stats["fallbacks"] += 1
         self._misses += 1
@@ -584,6 +807,8 @@ class CUDABackend(Backend):
                 stats["wait_s"] += time.perf_counter() - t1
                 stats["replayed"] += 1
                 self._mode, self._trace = _EAGER, None
+                if self._op_i == len(trace.ops):  # every recorded op matched
+                    self._clean = (trace, host, self._n_launches)
                 return host
             return self._read_back(x)  # diverged: eager from here
         # recording: read back, then capture the step's launches into a graph
@@ -611,8 +836,8 @@ class CUDABackend(Backend):
             with stream:
                 stream.begin_capture()
                 try:
-                    for kernel, grid, block, args, shm in launches:
-                        kernel(grid, block, tuple(args), shared_mem=shm)
+                    for launch in launches:
+                        launch.run()
                 finally:
                     graph = stream.end_capture()
             trace.graph = graph
@@ -629,76 +854,190 @@ class CUDABackend(Backend):
         self.graph_stats["kernels"] = trace.n_graph_kernels
 
     def _fuse(self, trace: _Trace) -> list:
-        """The step's launches with RMS norms and residual adds folded into the matvecs.
+        """The step's launches with small kernels folded into bigger ones.
 
         - An rms_norm whose output only feeds matvecs: each matvec normalizes its own copy
-          of x in shared memory (quant.cu), and the norm's launch goes.
+          of x in shared memory, and the norm's launch goes.
         - An add of a matvec's output (used nowhere else) to a same-sized array computed
           before that matvec: the matvec writes the sum into the add's output buffer.
-        Both compute the same float32 operations as the kernels they replace. The recorded
+        - int8 matvecs (arithmetic "ggml"): a SiLU/GELU product of two matvecs of one x
+          (gate, up) becomes one launch that writes the product; consecutive matvecs of one
+          x and one weight type (Q, K, V) become one launch.
+        - rope(q), rope(k) and the store_kv of that k: one rope_store launch, where rope(q)
+          was (k's input and v must be computed by then, and nothing in between may touch
+          the KV cache).
+        Each computes the same float32 operations as the kernels it replaces (the norm's
+        float64 sum of squares aside, which is added in another order). The recorded
         launches are left as they were (a divergent replay reruns them).
         """
         ops = trace.ops
         bounds = [rec.launch_start for rec in ops] + [len(trace.launches)]
-        launches = [[k, g, b, list(a), m] for k, g, b, a, m in trace.launches]
+        launches = [launch.copy() for launch in trace.launches]
         producer, consumers = {}, {}
         for i, rec in enumerate(ops):
             if rec.out is not None and hasattr(rec.out, "data"):
                 producer.setdefault(id(_root(rec.out)), i)  # ops like take_rows pass x on
             for root, _shape in rec.inputs:
                 consumers.setdefault(id(root), []).append(i)
+        dropped = set()
 
-        def only_launch(i, kernel_ids):
-            if bounds[i + 1] - bounds[i] != 1:
+        def only(i, kind):
+            """Op i's launch if it has exactly one, of ``kind`` (a kernel or _Matvec)."""
+            if i < 0 or i >= len(ops) or bounds[i + 1] - bounds[i] != 1 or bounds[i] in dropped:
                 return None
             launch = launches[bounds[i]]
-            return launch if id(launch[0]) in kernel_ids else None
+            if kind is _Matvec:
+                return launch if isinstance(launch, _Matvec) else None
+            return launch if isinstance(launch, _Launch) and launch.kernel is kind else None
 
-        matvecs = {id(mods[0]) for mods in self._quant_mods.values()}
-        dropped = set()
+        def same(a, b) -> bool:
+            return a.data.ptr == b.data.ptr and a.size == b.size
+
+        def uses(arr) -> list:
+            return consumers.get(id(_root(arr)), [])
+
+        def made_at(arr) -> int:
+            return producer.get(id(_root(arr)), -1)
+
+        # norms into matvecs, residual adds into the matvec of their addend
         for i, rec in enumerate(ops):
             if rec.key[0] == "rms_norm" and not rec.key[3]:  # has a weight
-                norm = only_launch(i, {id(self._k_rms)})
-                users = consumers.get(id(_root(rec.out)), [])
+                norm = only(i, self._k_rms)
+                users = uses(rec.out)
                 if norm is None or not users:
                     continue
-                targets = [only_launch(j, matvecs) for j in users]
-                h_ptr, h_size = rec.out.data.ptr, rec.out.size
+                x_in, w_in, out, d, eps = norm.args[:5]
+                targets = [only(j, _Matvec) for j in users]
                 if all(
-                    t is not None
-                    and t[3][4].data.ptr == h_ptr
-                    and t[3][4].size == h_size
-                    and int(t[3][2]) == int(norm[3][3])  # k == the norm's row length
-                    and int(t[3][10]) == 0
+                    t is not None and same(t.x, out) and t.k == int(d) and t.norm_w is None
                     for t in targets
                 ):
                     for t in targets:
-                        t[3][4], t[3][8], t[3][9], t[3][10] = (
-                            norm[3][0],
-                            norm[3][1],
-                            norm[3][4],
-                            np.int32(1),
-                        )
+                        t.x, t.norm_w, t.eps = x_in, w_in, float(eps)
                     dropped.add(bounds[i])
             elif rec.key[0] == "add" and rec.key[1] == rec.key[2]:
-                add = only_launch(i, {id(self._k_add)})
+                add = only(i, self._k_add)
                 if add is None:
                     continue
-                a, b, out = add[3][0], add[3][1], add[3][2]
+                a, b, out = add.args[:3]
                 for mine, other in ((b, a), (a, b)):
-                    j = producer.get(id(_root(mine)))
-                    if j is None or consumers.get(id(_root(mine))) != [i]:
+                    j = made_at(mine)
+                    if j < 0 or uses(mine) != [i]:
                         continue
-                    mv = only_launch(j, matvecs)
-                    if mv is None or int(mv[3][12]) != 0:
+                    mv = only(j, _Matvec)
+                    if mv is None or mv.resid is not None or mv.act or len(mv.ys) != 1:
                         continue
-                    if mv[3][6].data.ptr != mine.data.ptr or mv[3][6].size != mine.size:
+                    if not same(mv.ys[0], mine) or made_at(other) >= j:
                         continue
-                    if producer.get(id(_root(other)), -1) >= j:
-                        continue  # the residual is computed after the matvec
-                    mv[3][6], mv[3][11], mv[3][12] = out, other, np.int32(1)
+                    mv.ys[0], mv.resid = out, other
                     dropped.add(bounds[i])
                     break
+
+        def siblings(a: _Matvec, b: _Matvec) -> bool:
+            """b (one weight) can join a: int8 matvecs of one x, weight type and width."""
+            return (
+                a.q8
+                and b.q8
+                and len(b.weights) == 1
+                and not a.act
+                and not b.act
+                and a.resid is None
+                and b.resid is None
+                and a.weights[0].qtype == b.weights[0].qtype
+                and a.k == b.k
+                and a.n == b.n
+                and same(a.x, b.x)
+                and (a.norm_w is None) == (b.norm_w is None)
+                and (a.norm_w is None or same(a.norm_w, b.norm_w))
+                and a.eps == b.eps
+            )
+
+        # gate, up and their gated activation
+        acts = {"silu_mul": (self._k_silu, 1), "gelu_mul": (self._k_gelu, 2)}
+        for g, rec in enumerate(ops):
+            if rec.key[0] not in acts:
+                continue
+            kernel, act = acts[rec.key[0]]
+            launch = only(g, kernel)
+            if launch is None:
+                continue
+            gate, up, out = launch.args[:3]
+            jg, ju = made_at(gate), made_at(up)
+            mg, mu = only(jg, _Matvec), only(ju, _Matvec)
+            if mg is None or mu is None or jg >= ju or len(mg.weights) != 1:
+                continue
+            if not siblings(mg, mu):
+                continue
+            if uses(gate) != [g] or uses(up) != [g]:
+                continue
+            if not (same(mg.ys[0], gate) and same(mu.ys[0], up)):
+                continue
+            if mg.weights[0].m != mu.weights[0].m:
+                continue
+            mg.weights.append(mu.weights[0])
+            mg.ys = [out]
+            mg.act = act
+            dropped.add(bounds[ju])
+            dropped.add(bounds[g])
+
+        # consecutive matvecs of one x (Q, K, V)
+        j = 0
+        while j < len(ops):
+            first = only(j, _Matvec)
+            if first is None:
+                j += 1
+                continue
+            nxt = j + 1
+            while len(first.weights) < 3 and nxt < len(ops):
+                other = only(nxt, _Matvec)
+                if other is None or not siblings(first, other):
+                    break
+                first.weights.append(other.weights[0])
+                first.ys.append(other.ys[0])
+                dropped.add(bounds[nxt])
+                nxt += 1
+            j = nxt
+
+        # rope(q), rope(k), store_kv(k, v)
+        for iq, rec in enumerate(ops):
+            if rec.key[0] != "rope":
+                continue
+            ik = iq + 1
+            rq, rk = only(iq, self._k_rope), only(ik, self._k_rope)
+            if rq is None or rk is None:
+                continue
+            q_in, pos, q_out, n_heads, head_dim, n_rot, theta_scale, freq_scale, neox = rq.args
+            k_in, pos_k, k_out, n_kv = rk.args[:4]
+            if not same(pos, pos_k) or rq.grid[0] != rk.grid[0]:
+                continue
+            if tuple(float(a) for a in rq.args[4:]) != tuple(float(a) for a in rk.args[4:]):
+                continue
+            stores = [s_ for s_ in uses(k_out) if ops[s_].key[0] == "store_kv"]
+            if len(stores) != 1:
+                continue
+            s_ = stores[0]
+            st = only(s_, self._k_store)
+            if st is None:
+                continue
+            k_st, v, kc, vc, start, n, kdim, vdim, n_ctx = st.args
+            n_tok, n_kv_i, hd = int(rq.grid[0]), int(n_kv), int(head_dim)
+            if not same(k_st, k_out) or int(n) != n_tok or int(kdim) != n_kv_i * hd:
+                continue
+            if int(vdim) % n_kv_i or made_at(v) >= iq or made_at(k_in) >= iq:
+                continue
+            if any(ops[i].key[0] in ("store_kv", "attention") for i in range(iq + 1, s_)):
+                continue
+            hdv = int(vdim) // n_kv_i
+            widest = max(int(n_rot) // 2, hdv, hd - int(n_rot))
+            threads = min(256, max(32, (widest + 31) // 32 * 32))
+            args = (
+                q_in, k_in, v, q_out, k_out, kc, vc, pos, start, n_heads, n_kv, head_dim,
+                np.int32(hdv), n_rot, theta_scale, freq_scale, neox, n_ctx,
+            )  # fmt: skip
+            grid = (n_tok, int(n_heads) + 2 * n_kv_i)
+            launches[bounds[iq]] = _Launch(self._k_rope_store, grid, (threads,), args)
+            dropped.add(bounds[ik])
+            dropped.add(bounds[s_])
         return [launch for idx, launch in enumerate(launches) if idx not in dropped]
 
     # -- compute ----------------------------------------------------------------------------
@@ -719,45 +1058,87 @@ class CUDABackend(Backend):
         n, k = x2.shape
         if k != dw.k:
             raise BackendError(f"matmul: x has {k} features but '{w.name}' takes {dw.k}")
-        matvec, dequant, _ = self._quant_kernels(dw.qtype)
+        kernels = self._quant_kernels(dw.qtype)
         with self._stream:
             y = self._empty((n, dw.m))
             if n == 0:
                 return y
-            smem = n * (k // 32) * (_MV_PAD + 2) * 4  # padded x, then its half-chunk sums
-            if n <= MV_MAX_TOKENS and smem <= min(_MV_SMEM_LIMIT, self._smem_optin - 1024):
-                # one wave of blocks: each stages x once and then walks through many rows
-                rows_per_block = _MV_WARPS * (32 // dw.lpr)
-                regs = max(1, int(getattr(matvec, "num_regs", 80)))
-                per_sm = min(
-                    2048 // (_MV_WARPS * 32),
-                    65536 // (regs * _MV_WARPS * 32),
-                    self._smem_per_sm // max(smem + 1024, 1),
-                )
-                n_blocks = min(
-                    (dw.m + rows_per_block - 1) // rows_per_block, self._n_sm * max(1, per_sm)
-                )
-                args = (
-                    dw.buf,
-                    np.int64(dw.n_blocks),
-                    np.int32(k),
-                    np.int32(dw.m),
-                    x2,
-                    np.int32(n),
-                    y,
-                    np.int32(dw.lpr),
-                    x2,  # norm weight: none (a graph may fuse an RMS norm here)
-                    np.float32(0.0),
-                    np.int32(0),
-                    y,  # residual: none (a graph may fuse the residual add here)
-                    np.int32(0),
-                )
-                self._launch(matvec, (n_blocks,), (_MV_WARPS * 32,), args, smem)
-            else:
-                if self._mode == _RECORD:
-                    self._abort_record()
-                self._gemm(x2, dw, dequant, y)
+            if n <= MV_MAX_TOKENS:
+                q8 = self.arithmetic == "ggml" and kernels.matvec_q8 is not None
+                if q8 and _q8_smem(n, k) > self._mv_smem_limit():
+                    q8 = False
+                if q8 or _mv_smem(n, k) <= self._mv_smem_limit():
+                    self._launch_mv(_Matvec(self, q8, dw, y, x2, n))
+                    return y
+            if self._mode == _RECORD:
+                self._abort_record()
+            self._gemm(x2, dw, kernels.dequant, y)
         return y
+
+    def _run_matvec(self, mv: _Matvec) -> None:
+        """Launch ``mv`` (on the backend's stream) with a grid of one wave of blocks: each
+        block stages x in shared memory once and then walks through many rows."""
+        dw0: _DeviceWeight = mv.weights[0]
+        kernels = self._quant_kernels(dw0.qtype)
+        n, k = mv.n, mv.k
+        norm = mv.norm_w is not None
+        has_resid = mv.resid is not None
+        if mv.q8:
+            kernel = kernels.matvec_q8_n1 if n == 1 else kernels.matvec_q8
+            smem = _q8_smem(n, k)
+            args = []
+            for i in range(3):
+                if i < len(mv.weights):
+                    dw = mv.weights[i]
+                    m = dw.m
+                else:
+                    dw, m = dw0, 0
+                y = mv.ys[i] if i < len(mv.ys) else mv.ys[0]
+                args += [dw.buf, np.int64(dw.n_blocks), np.int32(m), y]
+            args += [
+                np.int32(k),
+                mv.x,
+                np.int32(n),
+                mv.norm_w if norm else mv.x,
+                np.float32(mv.eps),
+                np.int32(norm),
+                mv.resid if has_resid else mv.ys[0],
+                np.int32(has_resid),
+                np.int32(mv.act),
+            ]
+            rows = dw0.m if mv.act else sum(dw.m for dw in mv.weights)
+            rows_per_block = _MVQ_WARPS * (1 if mv.act else 2)  # a warp takes two rows
+            threads = _MVQ_WARPS * 32
+        else:
+            assert len(mv.weights) == 1 and not mv.act, "the float matvec takes one weight"
+            kernel = kernels.matvec
+            smem = _mv_smem(n, k)
+            args = [
+                dw0.buf,
+                np.int64(dw0.n_blocks),
+                np.int32(k),
+                np.int32(dw0.m),
+                mv.x,
+                np.int32(n),
+                mv.ys[0],
+                np.int32(dw0.lpr),
+                mv.norm_w if norm else mv.x,
+                np.float32(mv.eps),
+                np.int32(norm),
+                mv.resid if has_resid else mv.ys[0],
+                np.int32(has_resid),
+            ]
+            rows = dw0.m
+            rows_per_block = _MV_WARPS * (32 // dw0.lpr)
+            threads = _MV_WARPS * 32
+        regs = max(1, int(getattr(kernel, "num_regs", 80)))
+        per_sm = min(
+            2048 // threads,
+            65536 // (regs * threads),
+            self._smem_per_sm // max(smem + 1024, 1),
+        )
+        n_blocks = min((rows + rows_per_block - 1) // rows_per_block, self._n_sm * max(1, per_sm))
+        kernel((max(1, n_blocks),), (threads,), tuple(args), shared_mem=smem)
 
     def _gemm(self, x, dw: _DeviceWeight, dequant, y) -> None:
         """y = x @ W.T through float32 tiles of W and cuBLAS (prefill)."""
@@ -792,7 +1173,7 @@ class CUDABackend(Backend):
 
     def _get_rows(self, w: Weight, ids: np.ndarray):
         dw: _DeviceWeight = w.data
-        _, _, get_rows = self._quant_kernels(dw.qtype)
+        get_rows = self._quant_kernels(dw.qtype).get_rows
         n = len(ids)
         with self._stream:
             out = self._empty((n, dw.k))
@@ -963,7 +1344,8 @@ class CUDABackend(Backend):
                 out,
                 part,
             )
-            self._launch(self._k_att, (n_heads, n, n_splits), (128,), args)
+            kernel = self._k_att_dec if n == 1 else self._k_att
+            self._launch(kernel, (n_heads, n, n_splits), (128,), args)
             if n_splits > 1:
                 args = (part, out, np.int32(n_heads), np.int32(hdv), np.int32(n_splits))
                 self._launch(self._k_comb, (n_heads, n), (128,), args)
@@ -1048,6 +1430,7 @@ class CUDABackend(Backend):
             self._abort_record()
         elif self._mode == _REPLAY:
             self._diverge()
+        self._n_launches += 1
         with self._stream:
             return self.cp.concatenate([self._contig(p) for p in parts], axis=0)
 

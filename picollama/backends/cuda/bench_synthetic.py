@@ -1,7 +1,7 @@
 """Throughput of the CUDA backend on synthetic Llama-shaped models (pp512 / tg128).
 
     python -m picollama.backends.cuda.bench_synthetic [--models 135m-q4_k_m,8b-q4_k_m]
-        [--dir /tmp/picollama-synth] [-p 512] [-n 128] [-r 3]
+        [--dir /tmp/picollama-synth] [-p 512] [-n 128] [-r 3] [--arithmetic ggml|exact]
 
 Writes GGUF files with the shapes of SmolLM2-135M, Llama-3.2-1B and Llama-3-8B (random
 weights drawn with fixed seeds, quantized like Q4_K_M: Q4_K, with Q6_K for ffn_down and the
@@ -30,7 +30,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SHAPES", "MIXES", "write_model", "main"]
+__all__ = [
+    "SHAPES",
+    "MIXES",
+    "KERNEL_SHAPES",
+    "write_model",
+    "kernel_bench",
+    "profile_step",
+    "main",
+]
 
 
 @dataclass(frozen=True)
@@ -153,14 +161,22 @@ def write_model(path: str, shape_name: str, mix: str, seed: int = 0) -> int:
     return total
 
 
-def _run_one(path: str, n_prompt: int, n_gen: int, reps: int, graphs: bool) -> dict:
+def _run_one(
+    path: str,
+    n_prompt: int,
+    n_gen: int,
+    reps: int,
+    graphs: bool,
+    arithmetic: str,
+    profile: bool = False,
+) -> dict:
     """Load one model on the CUDA backend and time pp/tg (runs in its own process)."""
     from picollama.backends.cuda.backend import CUDABackend
     from picollama.generation import Context
     from picollama.tools.bench import _run_pp, _run_tg
 
     t0 = time.perf_counter()
-    backend = CUDABackend(graphs=graphs)
+    backend = CUDABackend(graphs=graphs, arithmetic=arithmetic)
     ctx = Context(path, n_ctx=max(n_prompt, n_gen), n_batch=n_prompt, backend=backend)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
@@ -170,42 +186,165 @@ def _run_one(path: str, n_prompt: int, n_gen: int, reps: int, graphs: bool) -> d
         runs = [fn(ctx, n, rng) for _ in range(reps)]
         result[f"{name}{n}"] = (float(np.mean(runs)), float(np.std(runs)))
     result["graph_stats"] = dict(backend.graph_stats)
+    if profile and graphs:
+        result["profile"] = profile_step(backend)
     result["bandwidth"] = backend.measure_bandwidth()
     result["device"] = backend.device_name
     return result
 
 
-def kernel_bench(reps: int = 50) -> list[tuple[str, float, float]]:
-    """(name, microseconds, GB/s of weight bytes) of single-token matvecs of 8B shapes."""
+L2_DEFEAT_BYTES = 256 << 20
+KERNEL_SHAPES = (  # (type, k, m, gate+up fused)
+    ("Q4_K", 4096, 14336, False),
+    ("Q4_K", 4096, 14336, True),
+    ("Q6_K", 14336, 4096, False),
+    ("Q4_K", 4096, 4096, False),
+    ("Q4_K", 4096, 1024, False),
+    ("Q8_0", 576, 1536, False),
+    ("Q5_0", 576, 1536, False),
+    ("Q6_K", 4096, 128256, False),
+)
+
+
+def profile_step(backend, reps: int = 5) -> list[tuple[str, int, float]]:
+    """Where a decode step's GPU time goes: the step's fused launches (as its graph runs
+    them) launched one by one with events between them, ``reps`` times; (kernel, launches
+    per step, microseconds per step), largest first."""
     import cupy as cp
 
-    from picollama.backends.cuda.backend import CUDABackend
+    from picollama.backends.cuda.backend import _Matvec
+
+    trace = next(t for t in backend._traces.values() if t.graph is not None)
+    launches = backend._fuse(trace) if backend.fuse else trace.launches
+    names = {id(getattr(backend, a)): a[3:] for a in dir(backend) if a.startswith("_k_")}
+
+    def name(launch) -> str:
+        if not isinstance(launch, _Matvec):
+            return names.get(id(launch.kernel), "get_rows")
+        w = launch.weights[0]
+        rows = sum(dw.m for dw in launch.weights) if not launch.act else w.m
+        what = "gate+up+act" if launch.act else f"{len(launch.weights)} weight(s)"
+        kind = "matvec_q8" if launch.q8 else "matvec"
+        return f"{kind} {w.qtype.name} {rows}x{w.k} {what}"
+
+    totals: dict[str, list] = {}
+    stream = backend._stream
+    events = [cp.cuda.Event() for _ in range(len(launches) + 1)]
+    with stream:
+        backend._upload_params()
+        for _ in range(reps):
+            events[0].record(stream)
+            for i, launch in enumerate(launches):
+                launch.run()
+                events[i + 1].record(stream)
+            events[-1].synchronize()
+            for i, launch in enumerate(launches):
+                entry = totals.setdefault(name(launch), [0, 0.0])
+                entry[0] += 1
+                entry[1] += cp.cuda.get_elapsed_time(events[i], events[i + 1]) * 1000
+    rows = [(k, v[0] // reps, v[1] / reps) for k, v in totals.items()]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def kernel_bench(reps: int = 64, shapes=KERNEL_SHAPES) -> list[tuple[str, float, float]]:
+    """(name, microseconds, GB/s of weight bytes) of single-token matvecs of 8B shapes, with
+    int8 activations ("ggml") and float activations ("exact"), and the fused gate+up+SiLU.
+    Each is launched ``reps`` times back to back from a CUDA graph, as in a decode step,
+    cycling through copies of the weight so that they are read from HBM, not from L2."""
+    import cupy as cp
+
+    from picollama.backends.cuda import layout
+    from picollama.backends.cuda.backend import CUDABackend, _Matvec
+    from picollama.gguf.constants import GGMLType
+
+    rng = np.random.default_rng(0)
+    out = []
+    for arithmetic in ("ggml", "exact"):
+        be = CUDABackend(graphs=False, arithmetic=arithmetic)
+        for qtype_name, k, m, gated in shapes:
+            qtype = GGMLType[qtype_name]
+            q8 = arithmetic == "ggml" and qtype in layout.Q8DOT_TYPES
+            if gated and not q8:
+                continue
+            raws = [_random_tensor(rng, qtype_name, k, m)[0] for _ in range(2 if gated else 1)]
+            nbytes = sum(raw.nbytes for raw in raws)
+            # enough copies that the weights come from HBM, not from the 50 MB L2
+            copies = max(1, min(64, -(-L2_DEFEAT_BYTES // nbytes)))
+            x = be.from_host(rng.standard_normal((1, k)).astype(np.float32))
+            y = be._empty((1, m))
+            mvs = []
+            for _ in range(copies):
+                ws = [be.weight("w", qtype, (k, m), raw) for raw in raws]
+                mv = _Matvec(be, q8, ws[0].data, y, x, 1)
+                if gated:
+                    mv.weights.append(ws[1].data)
+                    mv.act = 1
+                mvs.append(mv)
+            stream = be._stream
+            with stream:
+                mvs[0].run()
+                stream.begin_capture()
+                for i in range(reps):
+                    mvs[i % copies].run()
+                graph = stream.end_capture()
+                graph.launch(stream=stream)
+                start, stop = cp.cuda.Event(), cp.cuda.Event()
+                start.record(stream)
+                graph.launch(stream=stream)
+                stop.record(stream)
+            stop.synchronize()
+            us = cp.cuda.get_elapsed_time(start, stop) * 1000 / reps
+            name = f"{qtype_name} {m}x{k}{' gate+up+silu' if gated else ''} {arithmetic}"
+            out.append((name, us, nbytes / (us * 1e-6) / 1e9))
+            del mvs, graph
+    return out
+
+
+def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
+    """(case, microseconds) of the decode attention kernel alone, 8B shape (32 query heads,
+    8 KV heads, head_dim 128, 512 positions), at several positions and KV splits."""
+    import cupy as cp
+
+    from picollama.backends.cuda.backend import CUDABackend, _Launch
 
     be = CUDABackend(graphs=False)
     rng = np.random.default_rng(0)
+    n_ctx, n_heads, n_kv, hd = 512, 32, 8, 128
+    cache = be.new_kv_cache(1, n_ctx, n_kv, hd, hd)
+    kv = be.from_host(rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32))
+    be.store_kv(cache, 0, kv, kv, 0)
+    q = be.from_host(rng.standard_normal((1, n_heads, hd)).astype(np.float32))
     out = []
-    for qtype_name, k, m in (
-        ("Q4_K", 4096, 14336),
-        ("Q6_K", 14336, 4096),
-        ("Q4_K", 4096, 4096),
-        ("Q4_K", 4096, 1024),
-        ("Q8_0", 576, 1536),
-        ("Q6_K", 4096, 128256),
-    ):
-        raw, qtype = _random_tensor(rng, qtype_name, k, m)
-        w = be.weight("w", qtype, (k, m), raw)
-        x = be.from_host(rng.standard_normal((1, k)).astype(np.float32))
-        for _ in range(3):
-            be.matmul(x, w)
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        with be._stream:
-            start.record(be._stream)
-            for _ in range(reps):
-                be.matmul(x, w)
-            stop.record(be._stream)
-        stop.synchronize()
-        us = cp.cuda.get_elapsed_time(start, stop) * 1000 / reps
-        out.append((f"{qtype_name} {m}x{k}", us, raw.nbytes / (us * 1e-6) / 1e9))
+    for pos in (0, 127, 511):
+        for splits in (1, 4, 16):
+            chunk = -(-n_ctx // splits)
+            res = be._empty((1, n_heads * hd))
+            part = be._empty((n_heads * splits * (hd + 2),)) if splits > 1 else res
+            start = be._upload_i32([pos])
+            args = (
+                q, cache.k[0], cache.v[0], start, np.int32(n_heads), np.int32(n_kv),
+                np.int32(hd), np.int32(hd), np.float32(hd**-0.5), np.int32(0),
+                np.float32(0.0), np.int32(chunk), res, part,
+            )  # fmt: skip
+            launches = [_Launch(be._k_att, (n_heads, 1, splits), (128,), args)]
+            if splits > 1:
+                comb = (part, res, np.int32(n_heads), np.int32(hd), np.int32(splits))
+                launches.append(_Launch(be._k_comb, (n_heads, 1), (128,), comb))
+            stream = be._stream
+            with stream:
+                stream.begin_capture()
+                for _ in range(reps):
+                    for launch in launches:
+                        launch.run()
+                graph = stream.end_capture()
+                graph.launch(stream=stream)
+                t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+                t0.record(stream)
+                graph.launch(stream=stream)
+                t1.record(stream)
+            t1.synchronize()
+            us = cp.cuda.get_elapsed_time(t0, t1) * 1000 / reps
+            out.append((f"attention pos {pos} splits {splits}", us))
     return out
 
 
@@ -217,17 +356,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--arithmetic", default="ggml", choices=("ggml", "exact"))
+    p.add_argument("--profile", action="store_true", help="time each kernel of a decode step")
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one model, in-process
     p.add_argument("--kernels", action="store_true", help="time single matvecs and exit")
     args = p.parse_args(argv)
 
     if args.kernels:
         for name, us, gbs in kernel_bench():
-            print(f"matvec {name}: {us:8.1f} us  {gbs:7.0f} GB/s (eager launch, includes gaps)")
+            print(f"matvec {name}: {us:8.1f} us  {gbs:7.0f} GB/s (graph, back to back)")
+        for name, us in attention_bench():
+            print(f"{name}: {us:8.1f} us (graph, back to back; with attn_combine if split)")
         return 0
 
     if args.run:
-        res = _run_one(args.run, args.n_prompt, args.n_gen, args.repetitions, not args.no_graphs)
+        res = _run_one(
+            args.run,
+            args.n_prompt,
+            args.n_gen,
+            args.repetitions,
+            not args.no_graphs,
+            args.arithmetic,
+            args.profile,
+        )
         print("RESULT " + json.dumps(res))
         return 0
 
@@ -244,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd += ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions)]
         if args.no_graphs:
             cmd.append("--no-graphs")
+        cmd += ["--arithmetic", args.arithmetic] + (["--profile"] if args.profile else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
@@ -255,7 +407,14 @@ def main(argv: list[str] | None = None) -> int:
         pp = res[f"pp{args.n_prompt}"]
         tg = res[f"tg{args.n_gen}"]
         rows.append((spec, size, pp, tg, res["bandwidth"], ceiling, res))
+        profile = res.pop("profile", None)
         print(f"{spec}: {json.dumps(res)}", flush=True)
+        if profile:
+            total = sum(us for _, _, us in profile)
+            print(f"{spec} decode step by kernel (one by one, {total:.0f} us in all; "
+                  f"graph step {1e6 / tg[0]:.0f} us):")  # fmt: skip
+            for kname, count, us in profile:
+                print(f"  {us:8.1f} us  {count:4d} x  {kname}")
 
     print()
     print(

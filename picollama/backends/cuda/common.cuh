@@ -67,3 +67,26 @@ __device__ __forceinline__ void bytes4(u32 w, float off, float* q) {
     q[2] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7652)) - off;
     q[3] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7653)) - off;
 }
+
+// a . b + c over the four signed bytes of a and b (one DP4A instruction)
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int r;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u, in the CPU backend's float32 steps
+__device__ __forceinline__ float silu_mul1(float g, float u) {
+    float e = (float)exp(-(double)g);
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), u);
+}
+
+// gelu(g) * u with ggml's tanh approximation, in ggml's order of float32 operations
+__device__ __forceinline__ float gelu_mul1(float g, float u) {
+    const float coef_a = 0.044715f;
+    const float sqrt_2_over_pi = 0.79788456080286535587989211986876f;
+    float inner = __fmul_rn(__fmul_rn(sqrt_2_over_pi, g),
+                            __fadd_rn(1.0f, __fmul_rn(__fmul_rn(coef_a, g), g)));
+    float th = (float)tanh((double)inner);
+    return __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, th)), u);
+}

@@ -23,6 +23,7 @@ from picollama.gguf.constants import GGML_TYPES, GGMLType
 __all__ = [
     "FIELDS",
     "SUPPORTED_TYPES",
+    "Q8DOT_TYPES",
     "REGION_ALIGN",
     "DeviceLayout",
     "device_layout",
@@ -56,6 +57,11 @@ FIELDS: dict[GGMLType, tuple[int, tuple[tuple[int, int], ...]]] = {
 }
 
 SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(FIELDS)
+
+# types with an int8-activation (dp4a) matvec kernel, mmvq.cu; the others use quant.cu's
+Q8DOT_TYPES: frozenset[GGMLType] = frozenset(
+    {GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K}
+)
 
 
 def _align(n: int) -> int:
@@ -109,10 +115,14 @@ def ops_source() -> str:
 
 
 def quant_source(qtype: GGMLType) -> str:
-    """CUDA C of the matmul, dequantize and get_rows kernels of ``qtype``."""
+    """CUDA C of the matmul, dequantize and get_rows kernels of ``qtype`` (and, for the
+    ``Q8DOT_TYPES``, the int8-activation matvec of ``mmvq.cu``)."""
     qtype = GGMLType(qtype)
     block, fields = FIELDS[qtype]
     sizes = [size for _, size in fields] + [0] * (4 - len(fields))
     defines = [f"#define QTYPE_{qtype.name} 1", f"#define LAYOUT_BLOCK {block}"]
     defines += [f"#define LAYOUT_SZ{i} {size}" for i, size in enumerate(sizes)]
-    return "\n".join(defines) + "\n" + _read("common.cuh") + "\n" + _read("quant.cu")
+    parts = ["\n".join(defines), _read("common.cuh"), _read("quant.cu")]
+    if qtype in Q8DOT_TYPES:
+        parts.append(_read("mmvq.cu"))
+    return "\n".join(parts)

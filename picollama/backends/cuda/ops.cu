@@ -49,18 +49,15 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 
 // ----------------------------------------------------------------------------------- RoPE
 
-// Block (t, h): head h of token t at position pos[t]; x and out are (n, n_heads, head_dim).
-// Pair i of the first n_rot dims turns by pos * freq_scale * theta_scale^i, the power taken
-// as ggml does: a float32 running product. Pairs are (2i, 2i+1), or (i, i + n_rot/2) for
-// NeoX. One thread per pair, so that every thread has one independent load.
-extern "C" __global__ void rope(const float* __restrict__ x, const int* __restrict__ pos,
-                                float* __restrict__ out, int n_heads, int head_dim, int n_rot,
-                                float theta_scale, float freq_scale, int neox) {
-    int t = blockIdx.x, h = blockIdx.y;
+// One head: pair i of the first n_rot dims turns by pos * freq_scale * theta_scale^i, the
+// power taken as ggml does: a float32 running product. Pairs are (2i, 2i+1), or
+// (i, i + n_rot/2) for NeoX. One thread per pair, so that every thread has one independent
+// load. With `cache`, the rotated head is also written there in fp16 (store_kv's rounding).
+__device__ __forceinline__ void rope_head(const float* __restrict__ xh, float* __restrict__ oh,
+                                          u16* __restrict__ cache, float p, int head_dim,
+                                          int n_rot, float theta_scale, float freq_scale,
+                                          int neox) {
     int half = n_rot / 2;
-    const float* xh = x + ((i64)t * n_heads + h) * head_dim;
-    float* oh = out + ((i64)t * n_heads + h) * head_dim;
-    float p = (float)pos[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         int a = neox ? i : 2 * i;
         int b = neox ? i + half : 2 * i + 1;
@@ -70,10 +67,66 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
         float angle = __fmul_rn(freq_scale, theta);
         float c = (float)cos((double)angle);
         float sn = (float)sin((double)angle);
-        oh[a] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
-        oh[b] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+        float o0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        float o1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+        oh[a] = o0;
+        oh[b] = o1;
+        if (cache) {
+            cache[a] = f2h(o0);
+            cache[b] = f2h(o1);
+        }
     }
-    for (int j = n_rot + threadIdx.x; j < head_dim; j += blockDim.x) oh[j] = xh[j];
+    for (int j = n_rot + threadIdx.x; j < head_dim; j += blockDim.x) {
+        float v = xh[j];
+        oh[j] = v;
+        if (cache) cache[j] = f2h(v);
+    }
+}
+
+// Block (t, h): head h of token t at position pos[t]; x and out are (n, n_heads, head_dim).
+extern "C" __global__ void rope(const float* __restrict__ x, const int* __restrict__ pos,
+                                float* __restrict__ out, int n_heads, int head_dim, int n_rot,
+                                float theta_scale, float freq_scale, int neox) {
+    int t = blockIdx.x, h = blockIdx.y;
+    i64 at = ((i64)t * n_heads + h) * head_dim;
+    rope_head(x + at, out + at, nullptr, (float)pos[t], head_dim, n_rot, theta_scale,
+              freq_scale, neox);
+}
+
+// RoPE of q and k and the KV cache write of k and v in one launch (decode graphs fuse
+// rope, rope and store_kv into this; backend._fuse). Block (t, slot): slot < n_heads ropes q
+// head `slot`; the next n_kv_heads slots rope k heads into k_out and the cache row
+// start + t; the last n_kv_heads copy v heads into the cache. The same float32 operations
+// and fp16 rounding as rope and store_kv.
+extern "C" __global__ void rope_store(const float* __restrict__ q, const float* __restrict__ k,
+                                      const float* __restrict__ v, float* __restrict__ q_out,
+                                      float* __restrict__ k_out, u16* __restrict__ kc,
+                                      u16* __restrict__ vc, const int* __restrict__ pos,
+                                      const int* __restrict__ start, int n_heads,
+                                      int n_kv_heads, int head_dim, int head_dim_v, int n_rot,
+                                      float theta_scale, float freq_scale, int neox,
+                                      int n_ctx) {
+    int t = blockIdx.x, slot = blockIdx.y;
+    int row = *start + t;
+    float p = (float)pos[t];
+    if (slot < n_heads) {
+        i64 at = ((i64)t * n_heads + slot) * head_dim;
+        rope_head(q + at, q_out + at, nullptr, p, head_dim, n_rot, theta_scale, freq_scale,
+                  neox);
+        return;
+    }
+    if (row >= n_ctx) return;  // the host checks the bound first
+    slot -= n_heads;
+    if (slot < n_kv_heads) {
+        i64 at = ((i64)t * n_kv_heads + slot) * head_dim;
+        u16* ch = kc + ((i64)row * n_kv_heads + slot) * head_dim;
+        rope_head(k + at, k_out + at, ch, p, head_dim, n_rot, theta_scale, freq_scale, neox);
+        return;
+    }
+    slot -= n_kv_heads;
+    const float* vh = v + ((i64)t * n_kv_heads + slot) * head_dim_v;
+    u16* ch = vc + ((i64)row * n_kv_heads + slot) * head_dim_v;
+    for (int j = threadIdx.x; j < head_dim_v; j += blockDim.x) ch[j] = f2h(vh[j]);
 }
 
 // ------------------------------------------------------------------------------- KV cache
@@ -112,11 +165,12 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
 // merged in shared memory. With one split the block writes the normalized output
 // (n, n_heads * hdv); with several it writes (max, sum, unnormalized output) to `part`
 // for attn_combine.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
-          const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, int hd, int hdv,
-          float scale, int window, float softcap, int chunk, float* __restrict__ out,
-          float* __restrict__ part) {
+template <bool DECODE>
+__device__ __forceinline__ void attention_body(
+    const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
+    const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, int hd, int hdv,
+    float scale, int window, float softcap, int chunk, float* __restrict__ out,
+    float* __restrict__ part) {
     __shared__ float sq[ATT_MAXD];
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][ATT_MAXD];
@@ -144,7 +198,18 @@ attention(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __
         if (j < s1) {
             const u16* kr = kc + j * kstride + (i64)kvh * hd;
             float dot = 0.f;
-            if (vec) {
+            if (vec && DECODE) {
+#pragma unroll 16
+                for (int d = 0; d < hd; d += 8) {
+                    uint4 v = __ldg((const uint4*)(kr + d));
+                    u32 w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        dot = fmaf(sq[d + 2 * e], h2f((u16)(w4[e] & 0xFFFFu)), dot);
+                        dot = fmaf(sq[d + 2 * e + 1], h2f((u16)(w4[e] >> 16)), dot);
+                    }
+                }
+            } else if (vec) {
 #pragma unroll 8
                 for (int d = 0; d < hd; d += 8) {
                     uint4 v = __ldg((const uint4*)(kr + d));
@@ -167,17 +232,43 @@ attention(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __
         l = l * corr + warp_sum(p);
 #pragma unroll
         for (int i = 0; i < ATT_DPL; i++) acc[i] *= corr;
-        int count = min(32, s1 - j0);
-        // unrolled, so that the value rows' loads are in flight together
-#pragma unroll 8
-        for (int jj = 0; jj < 32; jj++) {
-            float pj = __shfl_sync(0xffffffffu, p, jj);
-            if (jj < count) {
-                const u16* vr = vc + (i64)(j0 + jj) * vstride + (i64)kvh * hdv;
+        if (DECODE) {
+            // Keys past the range have p = 0 and read the last row in range instead
+            // (adding 0 * v leaves acc as it was): no branch, so that the loads of 8 keys
+            // are issued before the first is used.
+            int last = s1 - 1;
 #pragma unroll
-                for (int i = 0; i < ATT_DPL; i++) {
-                    int d = lane + 32 * i;
-                    if (d < hdv) acc[i] = fmaf(pj, h2f(vr[d]), acc[i]);
+            for (int jb = 0; jb < 32; jb += 8) {
+                u16 vv[8][ATT_DPL];
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const u16* vr = vc + (i64)min(j0 + jb + u, last) * vstride + (i64)kvh * hdv;
+#pragma unroll
+                    for (int i = 0; i < ATT_DPL; i++) {
+                        int d = lane + 32 * i;
+                        vv[u][i] = d < hdv ? __ldg(vr + d) : (u16)0;
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    float pj = __shfl_sync(0xffffffffu, p, jb + u);
+#pragma unroll
+                    for (int i = 0; i < ATT_DPL; i++) acc[i] = fmaf(pj, h2f(vv[u][i]), acc[i]);
+                }
+            }
+        } else {
+            int count = min(32, s1 - j0);
+            // unrolled, so that the value rows' loads are in flight together
+#pragma unroll 8
+            for (int jj = 0; jj < 32; jj++) {
+                float pj = __shfl_sync(0xffffffffu, p, jj);
+                if (jj < count) {
+                    const u16* vr = vc + (i64)(j0 + jj) * vstride + (i64)kvh * hdv;
+#pragma unroll
+                    for (int i = 0; i < ATT_DPL; i++) {
+                        int d = lane + 32 * i;
+                        if (d < hdv) acc[i] = fmaf(pj, h2f(vr[d]), acc[i]);
+                    }
                 }
             }
         }
@@ -219,6 +310,26 @@ attention(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __
         pp[0] = mx;
         pp[1] = total;
     }
+}
+
+
+#define ATT_PARAMS                                                                         \
+    const float *__restrict__ q, const u16 *__restrict__ kc, const u16 *__restrict__ vc,     \
+        const int *__restrict__ start_ptr, int n_heads, int n_kv_heads, int hd, int hdv,    \
+        float scale, int window, float softcap, int chunk, float *__restrict__ out,         \
+        float *__restrict__ part
+#define ATT_ARGS \
+    q, kc, vc, start_ptr, n_heads, n_kv_heads, hd, hdv, scale, window, softcap, chunk, out, part
+
+// prefill and batches (many blocks: few registers), and single-token decode (few blocks:
+// value loads of 8 keys batched, which takes more registers; ~1/5 faster in decode, but
+// ~1/10 slower prefill when used there, measured on the H200)
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention(ATT_PARAMS) {
+    attention_body<false>(ATT_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_decode(ATT_PARAMS) {
+    attention_body<true>(ATT_ARGS);
 }
 
 // Merge the splits' (max, sum, unnormalized output) of each (token, head) into out.
@@ -267,30 +378,17 @@ extern "C" __global__ void scale(const float* __restrict__ x, float s, float* __
     if (i < n) out[i] = __fmul_rn(x[i], s);
 }
 
-// silu(g) * u = g / (1 + exp(-g)) * u
+// silu(g) * u and gelu(g) * u (common.cuh: the float32 steps of the CPU backend and ggml)
 extern "C" __global__ void silu_mul(const float* __restrict__ g, const float* __restrict__ u,
                                     float* __restrict__ out, i64 n) {
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float x = g[i];
-        float e = (float)exp(-(double)x);
-        out[i] = __fmul_rn(__fdiv_rn(x, __fadd_rn(1.0f, e)), u[i]);
-    }
+    if (i < n) out[i] = silu_mul1(g[i], u[i]);
 }
 
-// gelu(g) * u with ggml's tanh approximation, in ggml's order of float32 operations
 extern "C" __global__ void gelu_mul(const float* __restrict__ g, const float* __restrict__ u,
                                     float* __restrict__ out, i64 n) {
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        const float coef_a = 0.044715f;
-        const float sqrt_2_over_pi = 0.79788456080286535587989211986876f;
-        float x = g[i];
-        float inner = __fmul_rn(__fmul_rn(sqrt_2_over_pi, x),
-                                __fadd_rn(1.0f, __fmul_rn(__fmul_rn(coef_a, x), x)));
-        float th = (float)tanh((double)inner);
-        out[i] = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, th)), u[i]);
-    }
+    if (i < n) out[i] = gelu_mul1(g[i], u[i]);
 }
 
 // cap * tanh(x / cap)

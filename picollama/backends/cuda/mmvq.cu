@@ -1,0 +1,466 @@
+// Matrix-vector products with int8 activations and dp4a, llama.cpp's "mmvq" arithmetic, for
+// the types of the common model files: Q4_0, Q5_0, Q8_0, Q4_K and Q6_K (appended to
+// quant.cu's module for these types only; the other types keep quant.cu's float kernel).
+//
+// Activations. Each block of the grid quantizes x once into shared memory (the grid is one
+// wave of blocks, so this happens once per multiprocessor slot, not per row): each run of 32
+// values gets d = max|x| / 127 and codes q = round(x / d) in int8 (Q8_1's scheme), and the
+// integer sum of each half (16 codes) is kept for the types whose codes carry an offset.
+// With `norm`, x is first RMS-normalized and scaled exactly as the rms_norm kernel does it.
+//
+// Weights. A lane takes 16 bytes of a weight's code field at a time (a "chunk": 32 weights
+// of Q4_0/Q5_0/Q4_K/Q6_K, 16 of Q8_0), turns them into words of four small integer codes
+// and multiplies them with the activation codes by dp4a (four products and a sum in one
+// instruction). The integer sums are exact; the block scales are applied in float32:
+//     y = sum over blocks of d_w * sc * d_x * (sum q_w q_x - off * sum q_x)  [- dmin m d_x sum q_x]
+// so y equals x_q W^T (x_q: the dequantized int8 activations) up to float32 rounding, and
+// differs from x W^T by at most sum_j |w_j| |x_j - x_q,j| <= sum_j |w_j| d_x / 2 (the bound
+// tests/test_cuda_backend.py checks).
+//
+// Rows. A warp takes two rows at a time (row and row + the grid's warp count, or a gate row
+// and its up row); each lane loads U chunks of both rows before it uses any, so that
+// 2 * 32 * U * 16 bytes (more with Q6_K's high bits) per warp are in flight. One launch can cover the rows of up to three weights of the
+// same type and width that share x (Q, K and V), or, with `act`, the rows of a gate and an
+// up weight, writing act(gate . x) * (up . x) (the SwiGLU / GeGLU of the feed-forward).
+
+#define MVQ_WARPS 8
+#define MVQ_UNROLL 4
+
+// one token's quantized x in shared memory
+struct XQ {
+    const signed char* q;  // k codes
+    const float* d;        // k / 32 scales
+    const int* s;          // k / 16 sums of 16 codes
+};
+
+// four bits b as the bytes (b_i << 4): bit i of b moves to bit 4 of byte i
+__device__ __forceinline__ u32 spread4_bit4(u32 b) { return ((b * 0x00204081u) & 0x01010101u) << 4; }
+
+__device__ __forceinline__ int4 ld_x16(const signed char* p) { return *(const int4*)p; }
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+#if defined(QTYPE_Q8_0)
+struct QD {  // d, qs[32]: a chunk is half a block (16 codes)
+    static constexpr int CPB = 2, UNROLL = MVQ_UNROLL;
+    struct Raw {
+        uint4 q;
+        u32 d;
+    };
+    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
+        return f.p1 + 32 * b + 16 * cc;
+    }
+    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
+        Raw r;
+        r.q = ld_u128(code_ptr(f, b, cc));
+        r.d = ld_u16(f.p0 + 2 * b);
+        return r;
+    }
+    // chunk c of a row: block c / 2 of the row, half c % 2
+    __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
+        int jb = c >> 1;
+        int4 xv = ld_x16(x.q + 16 * c);
+        int s = dp4a((int)r.q.x, xv.x, 0);
+        s = dp4a((int)r.q.y, xv.y, s);
+        s = dp4a((int)r.q.z, xv.z, s);
+        s = dp4a((int)r.q.w, xv.w, s);
+        return h2f((u16)r.d) * x.d[jb] * (float)s;
+    }
+};
+#elif defined(QTYPE_Q4_0) || defined(QTYPE_Q5_0)
+// Q4_0: d, qs[16]; Q5_0: d, qh, qs[16]. Weight j (< 16): low nibble of qs[j] (Q5_0: bit j of
+// qh as bit 4), weight j + 16: high nibble (bit j + 16 of qh); codes minus 8 (Q5_0: 16).
+struct QD {
+    static constexpr int CPB = 1, UNROLL = MVQ_UNROLL;
+    struct Raw {
+        uint4 q;
+        u32 qh;
+        u32 d;
+    };
+    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
+#if defined(QTYPE_Q4_0)
+        return f.p1 + 16 * b;
+#else
+        return f.p2 + 16 * b;
+#endif
+    }
+    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
+        Raw r;
+        r.q = ld_u128(code_ptr(f, b, cc));
+#if defined(QTYPE_Q4_0)
+        r.qh = 0;
+#else
+        r.qh = ld_u32(f.p1 + 4 * b);
+#endif
+        r.d = ld_u16(f.p0 + 2 * b);
+        return r;
+    }
+    __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
+        int jb = c;
+        int4 xl = ld_x16(x.q + 32 * jb), xh = ld_x16(x.q + 32 * jb + 16);
+        int xlo[4] = {xl.x, xl.y, xl.z, xl.w};
+        int xhi[4] = {xh.x, xh.y, xh.z, xh.w};
+        u32 w[4] = WORDS4(r.q);
+        int s = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            u32 lo = w[e] & 0x0F0F0F0Fu, hi = (w[e] >> 4) & 0x0F0F0F0Fu;
+#if defined(QTYPE_Q5_0)
+            lo |= spread4_bit4((r.qh >> (4 * e)) & 0xFu);
+            hi |= spread4_bit4((r.qh >> (16 + 4 * e)) & 0xFu);
+#endif
+            s = dp4a((int)lo, xlo[e], s);
+            s = dp4a((int)hi, xhi[e], s);
+        }
+#if defined(QTYPE_Q4_0)
+        s -= 8 * (x.s[2 * jb] + x.s[2 * jb + 1]);
+#else
+        s -= 16 * (x.s[2 * jb] + x.s[2 * jb + 1]);
+#endif
+        return h2f((u16)r.d) * x.d[jb] * (float)s;
+    }
+};
+#elif defined(QTYPE_Q4_K)
+// (d, dmin), scales[12], qs[128]: chunk cc (0..7) of a block is qs[16 cc .. 16 cc + 15]; its
+// low nibbles are weights 16 h .. 16 h + 15 of sub-block 2 g, its high nibbles the same of
+// sub-block 2 g + 1 (g = cc / 2, h = cc % 2); w = d * sc * q - dmin * m per sub-block.
+struct QD {
+    static constexpr int CPB = 8, UNROLL = MVQ_UNROLL;
+    struct Raw {  // the words as loaded: decoding them here would stall the next loads
+        uint4 q;
+        u32 dm, s0, s1, s2;
+    };
+    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
+        return f.p2 + 128 * b + 16 * cc;
+    }
+    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
+        Raw r;
+        r.q = ld_u128(code_ptr(f, b, cc));
+        r.dm = ld_u32(f.p0 + 4 * b);
+        const u8* sp = f.p1 + 12 * b;
+        r.s0 = ld_u32(sp);
+        r.s1 = ld_u32(sp + 4);
+        r.s2 = ld_u32(sp + 8);
+        return r;
+    }
+    // 16 bits i (0..5) of the 12 scale bytes s0, s1, s2
+    __device__ static __forceinline__ u32 half12(u32 s0, u32 s1, u32 s2, int i) {
+        u32 w = i < 2 ? s0 : (i < 4 ? s1 : s2);
+        return (w >> (16 * (i & 1))) & 0xFFFFu;
+    }
+    // ggml's get_scale_min_k4 for sub-blocks 2 g and 2 g + 1 at once, on 16-bit pairs (as
+    // llama.cpp's vec_dot_q4_K_q8_1): the 6-bit scales and mins as sc0, sc1, m0, m1 bytes
+    __device__ static __forceinline__ u32 scale_min2(u32 s0, u32 s1, u32 s2, int g) {
+        u32 a, b;
+        if (g < 2) {
+            a = half12(s0, s1, s2, g) & 0x3F3Fu;
+            b = half12(s0, s1, s2, g + 2) & 0x3F3Fu;
+        } else {
+            a = (half12(s0, s1, s2, g + 2) & 0x0F0Fu) | ((half12(s0, s1, s2, g - 2) & 0xC0C0u) >> 2);
+            b = ((half12(s0, s1, s2, g + 2) >> 4) & 0x0F0Fu) | ((half12(s0, s1, s2, g) & 0xC0C0u) >> 2);
+        }
+        return a | (b << 16);
+    }
+    __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
+        int cc = c & 7, g = cc >> 1, h = cc & 1;
+        int jb = (c >> 3) * 8 + 2 * g;  // x's 32-run of sub-block 2 g (the next is 2 g + 1)
+        int4 xa = ld_x16(x.q + 32 * jb + 16 * h), xb = ld_x16(x.q + 32 * (jb + 1) + 16 * h);
+        int xlo[4] = {xa.x, xa.y, xa.z, xa.w};
+        int xhi[4] = {xb.x, xb.y, xb.z, xb.w};
+        u32 w[4] = WORDS4(r.q);
+        int sl = 0, sh = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            sl = dp4a((int)(w[e] & 0x0F0F0F0Fu), xlo[e], sl);
+            sh = dp4a((int)((w[e] >> 4) & 0x0F0F0F0Fu), xhi[e], sh);
+        }
+        u32 sm = scale_min2(r.s0, r.s1, r.s2, g);
+        int sc0 = (int)byte_of(sm, 0), sc1 = (int)byte_of(sm, 1);
+        int m0 = (int)byte_of(sm, 2), m1 = (int)byte_of(sm, 3);
+        float d = h2f((u16)(r.dm & 0xFFFFu)), dmin = h2f((u16)(r.dm >> 16));
+        float dx0 = x.d[jb], dx1 = x.d[jb + 1];
+        int ql = m0 * x.s[2 * jb + h], qh = m1 * x.s[2 * jb + 2 + h];
+        return d * (dx0 * (float)(sc0 * sl) + dx1 * (float)(sc1 * sh)) -
+               dmin * (dx0 * (float)ql + dx1 * (float)qh);
+    }
+};
+#elif defined(QTYPE_Q6_K)
+// ql[128], qh[64], scales[16] (int8), d. Weight 128 hh + 32 k + l of a block (k 0..3, l 0..31):
+// low bits in ql[64 hh + 32 (k % 2) + l] (low nibble for k < 2), top bits at bit 2 k of
+// qh[32 hh + l], scale 8 hh + 2 k + l / 16, w = d * sc * (q - 32). Chunk cc (0..7):
+// hh = cc / 4, kk = (cc / 2) % 2, p = cc % 2 covers ql[64 hh + 32 kk + 16 p ..] (16 bytes):
+// its low nibbles are k = kk, its high nibbles k = kk + 2, with l = 16 p .. 16 p + 15.
+struct QD {
+    static constexpr int CPB = 8, UNROLL = 3;  // 4 would spill registers with two rows
+    struct Raw {  // the words as loaded: decoding them here would stall the next loads
+        uint4 ql, qh;
+        u32 sa, sb, d;
+    };
+    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
+        return f.p0 + 128 * b + 16 * cc;  // = 64 hh + 32 kk + 16 p
+    }
+    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
+        int hh = cc >> 2, p = cc & 1;
+        Raw r;
+        r.ql = ld_u128(code_ptr(f, b, cc));
+        r.qh = ld_u128(f.p1 + 64 * b + 32 * hh + 16 * p);
+        r.sa = ld_u32(f.p2 + 16 * b + 8 * hh);  // scales 8 hh .. 8 hh + 3
+        r.sb = ld_u32(f.p2 + 16 * b + 8 * hh + 4);  // scales 8 hh + 4 .. 8 hh + 7
+        r.d = ld_u16(f.p3 + 2 * b);
+        return r;
+    }
+    __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
+        int cc = c & 7, hh = cc >> 2, kk = (cc >> 1) & 1, p = cc & 1;
+        int ja = (c >> 3) * 8 + 4 * hh + kk, jb = ja + 2;  // x's 32-runs of k = kk, kk + 2
+        int4 xa = ld_x16(x.q + 32 * ja + 16 * p), xb = ld_x16(x.q + 32 * jb + 16 * p);
+        int xav[4] = {xa.x, xa.y, xa.z, xa.w};
+        int xbv[4] = {xb.x, xb.y, xb.z, xb.w};
+        u32 l[4] = WORDS4(r.ql);
+        u32 h[4] = WORDS4(r.qh);
+        int s_a = 0, s_b = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            u32 qa = (l[e] & 0x0F0F0F0Fu) | (((h[e] >> (2 * kk)) & 0x03030303u) << 4);
+            u32 qb = ((l[e] >> 4) & 0x0F0F0F0Fu) | (((h[e] >> (2 * kk + 4)) & 0x03030303u) << 4);
+            s_a = dp4a((int)qa, xav[e], s_a);
+            s_b = dp4a((int)qb, xbv[e], s_b);
+        }
+        s_a -= 32 * x.s[2 * ja + p];
+        s_b -= 32 * x.s[2 * jb + p];
+        int sc_a = (int)(signed char)(u8)byte_of(r.sa, 2 * kk + p);
+        int sc_b = (int)(signed char)(u8)byte_of(r.sb, 2 * kk + p);
+        float d = h2f((u16)r.d);
+        return d * (x.d[ja] * (float)(sc_a * s_a) + x.d[jb] * (float)(sc_b * s_b));
+    }
+};
+#else
+#error "mmvq.cu: no int8-activation kernel for this type"
+#endif
+
+static_assert(Q::BLOCK / QD::CPB == 16 || Q::BLOCK / QD::CPB == 32, "a chunk is 16 or 32 weights");
+
+// acc_a[t] += row a . x_t and, with `two`, acc_b[t] += row b . x_t over the cpr chunks of
+// the rows (this lane's share: chunks lane + 32 i). Both rows' loads are issued before
+// either is used, so that a warp has 2 * QD::UNROLL chunks per lane in flight.
+template <int NT>
+__device__ __forceinline__ void row_dot2(const Fields& fa, i64 ba, const Fields& fb, i64 bb,
+                                         bool two, int cpr, int lane, XQ x0, int k, int n,
+                                         float* acc_a, float* acc_b) {
+    int nb32 = k >> 5;
+    for (int c0 = lane; c0 < cpr; c0 += 32 * QD::UNROLL) {
+        QD::Raw ra[QD::UNROLL], rb[QD::UNROLL];
+#pragma unroll
+        for (int u = 0; u < QD::UNROLL; u++) {
+            int c = c0 + 32 * u;
+            if (c < cpr) {
+                ra[u] = QD::load(fa, ba + c / QD::CPB, c % QD::CPB);
+                if (two) rb[u] = QD::load(fb, bb + c / QD::CPB, c % QD::CPB);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < QD::UNROLL; u++) {
+            int c = c0 + 32 * u;
+            if (c < cpr) {
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    if (t < n) {
+                        XQ xt = {x0.q + t * k, x0.d + t * nb32, x0.s + 2 * t * nb32};
+                        acc_a[t] += QD::dot(ra[u], c, xt);
+                        if (two) acc_b[t] += QD::dot(rb[u], c, xt);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// which weight row `row` of the launch is: its fields, first block, output and row count
+struct RowRef {
+    Fields f;
+    i64 b0;
+    float* y;
+    int r, m, slot;
+};
+
+__device__ __forceinline__ RowRef locate(int row, int bpr, const u8* w0, i64 nb0, int m0,
+                                         float* y0, const u8* w1, i64 nb1, int m1, float* y1,
+                                         const u8* w2, i64 nb2, int m2, float* y2) {
+    RowRef rr;
+    if (row < m0) {
+        rr.f = make_fields(w0, nb0), rr.r = row, rr.m = m0, rr.y = y0, rr.slot = 0;
+    } else if (row < m0 + m1) {
+        rr.f = make_fields(w1, nb1), rr.r = row - m0, rr.m = m1, rr.y = y1, rr.slot = 1;
+    } else {
+        rr.f = make_fields(w2, nb2), rr.r = row - m0 - m1, rr.m = m2, rr.y = y2, rr.slot = 2;
+    }
+    rr.b0 = (i64)rr.r * bpr;
+    return rr;
+}
+
+// Rows of up to three weights (w0, w1, w2: m0 + m1 + m2 rows, each into its own y) times the
+// n (<= NT) rows of x: y_i[t, r] = W_i[r] . x[t] (y0 = resid + W0 x with has_resid). With
+// act (1: SiLU, 2: GELU), w0 and w1 are a gate and an up weight of m0 rows and
+// y0[t, r] = act(W0[r] . x[t]) * (W1[r] . x[t]), as silu_mul / gelu_mul compute it.
+// Dynamic shared memory: n * k * 11 / 8 bytes (codes, scales, half sums).
+template <int NT>
+__device__ __forceinline__ void mvq_body(
+    const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
+    int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
+    const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
+    const float* __restrict__ resid, int has_resid, int act) {
+    extern __shared__ int4 mvq_smem[];
+    __shared__ double red[MVQ_WARPS];
+    __shared__ float s_scale[NT];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int nb32 = k >> 5;
+    int bpr = k / Q::BLOCK, cpr = bpr * QD::CPB;
+    int m_rows = act ? m0 : m0 + m1 + m2;
+    int row_first = blockIdx.x * MVQ_WARPS + warp;
+
+    // warm L2 with this warp's first row while x is quantized
+    if (row_first < m_rows) {
+        const u8* wb = row_first < m0 ? w0 : (row_first < m0 + m1 ? w1 : w2);
+        i64 nb = row_first < m0 ? nb0 : (row_first < m0 + m1 ? nb1 : nb2);
+        int r = row_first < m0 ? row_first : (row_first < m0 + m1 ? row_first - m0 : row_first - m0 - m1);
+        Fields f = make_fields(wb, nb);
+        for (int c = lane; c < cpr; c += 32 * QD::UNROLL) {
+            prefetch_l2(QD::code_ptr(f, (i64)r * bpr + c / QD::CPB, c % QD::CPB));
+        }
+    }
+
+    signed char* sq = (signed char*)mvq_smem;
+    float* sd = (float*)(sq + n * k);
+    int* ss = (int*)(sd + n * nb32);
+    if (norm) {
+        for (int t = 0; t < n; t++) {
+            const float4* xt = (const float4*)(x + (i64)t * k);
+            double acc = 0.0;
+            for (int j = threadIdx.x; j < k / 4; j += MVQ_WARPS * 32) {
+                float4 v = __ldg(xt + j);
+                acc += (double)v.x * v.x + (double)v.y * v.y;
+                acc += (double)v.z * v.z + (double)v.w * v.w;
+            }
+            acc = warp_sum_d(acc);
+            if (lane == 0) red[warp] = acc;
+            __syncthreads();
+            if (warp == 0) {
+                double v = lane < MVQ_WARPS ? red[lane] : 0.0;
+                v = warp_sum_d(v);
+                if (lane == 0) {
+                    float mean = (float)(v / (double)k);
+                    float root = (float)sqrt((double)__fadd_rn(mean, eps));
+                    s_scale[t] = 1.0f / root;
+                }
+            }
+            __syncthreads();
+        }
+    }
+    // Each thread takes 4 consecutive values, 8 lanes a run of 32: its scale, codes and half
+    // sums. Every lane of the block goes through the same number of rounds (the shuffles
+    // need whole warps); lanes past the end compute on zeros and store nothing.
+    int n4 = n * k / 4;
+    for (int base = 0; base < n4; base += MVQ_WARPS * 32) {
+        int i4 = base + threadIdx.x;
+        bool in = i4 < n4;
+        int t = in ? (4 * i4) / k : 0;
+        int j = 4 * i4 - t * k;
+        float4 v = in ? __ldg((const float4*)(x + (i64)t * k + j)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (norm && in) {
+            float s = s_scale[t];
+            float4 g = __ldg((const float4*)(norm_w + j));
+            v.x = __fmul_rn(__fmul_rn(v.x, s), g.x);
+            v.y = __fmul_rn(__fmul_rn(v.y, s), g.y);
+            v.z = __fmul_rn(__fmul_rn(v.z, s), g.z);
+            v.w = __fmul_rn(__fmul_rn(v.w, s), g.w);
+        }
+        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float d = amax / 127.0f;
+        int q[4];
+        float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            q[e] = amax == 0.0f ? 0 : __float2int_rn(vv[e] / d);
+            q[e] = max(-127, min(127, q[e]));
+        }
+        int hs = q[0] + q[1] + q[2] + q[3];
+        hs += __shfl_xor_sync(0xffffffffu, hs, 1);
+        hs += __shfl_xor_sync(0xffffffffu, hs, 2);
+        if (in) {
+            int run = i4 >> 3, sub = i4 & 7;  // run index = t * nb32 + j / 32
+            u32 packed = (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) |
+                         ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
+            *(u32*)(sq + 4 * i4) = packed;
+            if ((sub & 3) == 0) ss[2 * run + (sub >> 2)] = hs;
+            if (sub == 0) sd[run] = d;
+        }
+    }
+    __syncthreads();
+
+    XQ x0 = {sq, sd, ss};
+    int n_warps = gridDim.x * MVQ_WARPS;
+    if (act) {
+        // gate row r and up row r together
+        for (int r = row_first; r < m0; r += n_warps) {
+            float g[NT], u[NT];
+#pragma unroll
+            for (int t = 0; t < NT; t++) g[t] = u[t] = 0.f;
+            row_dot2<NT>(make_fields(w0, nb0), (i64)r * bpr, make_fields(w1, nb1),
+                         (i64)r * bpr, true, cpr, lane, x0, k, n, g, u);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t < n) {
+                    float gv = warp_sum(g[t]), uv = warp_sum(u[t]);
+                    if (lane == 0) y0[(i64)t * m0 + r] = act == 1 ? silu_mul1(gv, uv) : gelu_mul1(gv, uv);
+                }
+            }
+        }
+        return;
+    }
+    // rows row and row + n_warps together
+    for (int row = row_first; row < m_rows; row += 2 * n_warps) {
+        int row_b = row + n_warps;
+        bool two = row_b < m_rows;
+        RowRef a = locate(row, bpr, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
+        RowRef b = locate(two ? row_b : row, bpr, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
+        float acc_a[NT], acc_b[NT];
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc_a[t] = acc_b[t] = 0.f;
+        row_dot2<NT>(a.f, a.b0, b.f, b.b0, two, cpr, lane, x0, k, n, acc_a, acc_b);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < n) {
+                float va = warp_sum(acc_a[t]);
+                float vb = warp_sum(acc_b[t]);
+                if (lane == 0) {
+                    i64 at = (i64)t * a.m + a.r;
+                    a.y[at] = (has_resid && a.slot == 0) ? __fadd_rn(resid[at], va) : va;
+                    if (two) {
+                        i64 bt = (i64)t * b.m + b.r;
+                        b.y[bt] = (has_resid && b.slot == 0) ? __fadd_rn(resid[bt], vb) : vb;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define MVQ_PARAMS                                                                          \
+    const u8 *__restrict__ w0, i64 nb0, int m0, float *y0, const u8 *__restrict__ w1, i64 nb1, \
+        int m1, float *y1, const u8 *__restrict__ w2, i64 nb2, int m2, float *y2, int k,      \
+        const float *__restrict__ x, int n, const float *__restrict__ norm_w, float eps,      \
+        int norm, const float *__restrict__ resid, int has_resid, int act
+#define MVQ_ARGS \
+    w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2, k, x, n, norm_w, eps, norm, resid, has_resid, act
+
+// n <= MV_MAX_TOKENS rows of x (short batches), and the decode case n = 1 (fewer registers)
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8(MVQ_PARAMS) {
+    mvq_body<MV_MAX_TOKENS>(MVQ_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, 2) matvec_q8_n1(MVQ_PARAMS) {
+    mvq_body<1>(MVQ_ARGS);
+}
