@@ -29,3 +29,28 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def gemma3_path():
     return model_path(GEMMA3)
+
+
+# a JSON schema with a nested object, an array and an enum, bounded so that a greedy answer
+# ends well inside a few dozen tokens (the grammar tests of the API and the CLI)
+NESTED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "color": {"enum": ["red", "green", "blue"]},
+        "sizes": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 99},
+            "maxItems": 3,
+        },
+        "owner": {
+            "type": "object",
+            "properties": {
+                "first": {"type": "string", "maxLength": 10},
+                "admin": {"type": "boolean"},
+            },
+            "required": ["first", "admin"],
+        },
+    },
+    "required": ["name", "color", "sizes", "owner"],
+}

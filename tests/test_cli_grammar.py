@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SMOLLM2
+from conftest import NESTED_SCHEMA, SMOLLM2
 
 from picollama.tools.cli import main
 
@@ -23,28 +23,7 @@ GRAMMARS = Path(__file__).parent / "data" / "grammars"
 NO_MODEL = "/nonexistent/model.gguf"
 YES_NO = 'root ::= "yes" | "no"'
 
-# nested object, array and enum, bounded so that a greedy answer ends well inside -n
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "color": {"enum": ["red", "green", "blue"]},
-        "sizes": {
-            "type": "array",
-            "items": {"type": "integer", "minimum": 0, "maximum": 99},
-            "maxItems": 3,
-        },
-        "owner": {
-            "type": "object",
-            "properties": {
-                "first": {"type": "string", "maxLength": 10},
-                "admin": {"type": "boolean"},
-            },
-            "required": ["first", "admin"],
-        },
-    },
-    "required": ["name", "color", "sizes", "owner"],
-}
+SCHEMA = NESTED_SCHEMA
 
 
 def _chatml(message: str) -> str:

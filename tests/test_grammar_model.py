@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import NESTED_SCHEMA
 
 from picollama.sampling.grammar import LlamaGrammar
 
@@ -17,27 +18,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 GRAMMARS = Path(__file__).parent / "data" / "grammars"
 SEEDS = range(20)
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "color": {"enum": ["red", "green", "blue"]},
-        "sizes": {
-            "type": "array",
-            "items": {"type": "integer", "minimum": 0, "maximum": 99},
-            "maxItems": 3,
-        },
-        "owner": {
-            "type": "object",
-            "properties": {
-                "first": {"type": "string", "maxLength": 10},
-                "admin": {"type": "boolean"},
-            },
-            "required": ["first", "admin"],
-        },
-    },
-    "required": ["name", "color", "sizes", "owner"],
-}
+SCHEMA = NESTED_SCHEMA
 REGEX = r"(Mon|Tue|Wed|Thu|Fri) [0-2][0-9]:[0-5][0-9] (AM|PM)"
 
 

@@ -404,35 +404,12 @@ class CUDABackend(Backend):
             )
 
     def weight(self, name: str, ggml_type: GGMLType, shape: tuple[int, ...], data) -> Weight:
-        try:
-            qtype = GGMLType(ggml_type)
-        except ValueError:
-            raise BackendError(f"tensor '{name}': unknown ggml type {ggml_type}") from None
-        if qtype not in layout.SUPPORTED_TYPES:
-            raise BackendError(
-                f"tensor '{name}': type {qtype.name} is not supported by the CUDA backend"
-            )
-        k = int(shape[0])
-        m = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-        block = layout.chunk_block(qtype)
-        if k % block:
-            raise BackendError(
-                f"tensor '{name}': rows of {k} weights are not a multiple of {block}, "
-                "which the CUDA kernels need"
-            )
-        lay = layout.device_layout(qtype, k, m)
-        block_bytes = layout.ggml_block_bytes(qtype)
-        raw = np.asarray(data).reshape(-1)
-        if raw.nbytes != lay.n_blocks * block_bytes:
-            raise BackendError(
-                f"tensor '{name}': {raw.nbytes} bytes of data for a {qtype.name} weight of "
-                f"{k} x {m} (expected {lay.n_blocks * block_bytes})"
-            )
+        qtype, k, m, lay, raw = layout.check_weight(name, ggml_type, shape, data, "CUDA")
         self._reserve(lay.nbytes + raw.nbytes, f"tensor '{name}'")
         cp = self.cp
         try:
             with self._stream:
-                staged = cp.asarray(raw.reshape(lay.n_blocks, block_bytes))
+                staged = cp.asarray(raw.reshape(lay.n_blocks, -1))
                 if len(lay.regions) == 1:
                     buf = staged.reshape(-1)
                 else:

@@ -1,7 +1,7 @@
 """Throughput of the CUDA backend on synthetic Llama-shaped models (pp512 / tg128).
 
     python -m picollama.backends.cuda.bench_synthetic [--models 135m-q4_k_m,8b-q4_k_m]
-        [--dir /tmp/picollama-synth] [-p 512] [-n 128] [-r 3] [--arithmetic ggml|exact]
+        [--dir DIR] [-p 512] [-n 128] [-r 3] [--arithmetic ggml|exact]
 
 Writes GGUF files with the shapes of SmolLM2-135M, Llama-3.2-1B and Llama-3-8B (random
 weights drawn with fixed seeds, quantized like Q4_K_M: Q4_K, with Q6_K for ffn_down and the
@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass
@@ -351,7 +352,11 @@ def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="135m-q4_k_m,135m-q8_0,1b-q4_k_m,8b-q4_k_m")
-    p.add_argument("--dir", default="/tmp/picollama-synth")
+    p.add_argument(
+        "--dir",
+        default=os.path.join(tempfile.gettempdir(), "picollama-synth"),
+        help="where the synthetic GGUF files are written (default: the temp dir)",
+    )
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=3)

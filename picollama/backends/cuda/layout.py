@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import numpy as np
+
+from picollama.backends.base import BackendError
 from picollama.gguf.constants import GGML_TYPES, GGMLType
 
 __all__ = [
@@ -102,6 +105,39 @@ def ggml_block_bytes(qtype: GGMLType) -> int:
 
 
 _HERE = Path(__file__).parent
+
+
+def check_weight(name: str, ggml_type, shape, data, backend: str):
+    """Validate a weight for a GPU backend (CUDA and OpenCL share this layout).
+
+    Returns ``(qtype, k, m, layout, raw bytes)``; a ``BackendError`` names the tensor when
+    its type is unknown or unsupported, its rows do not fit the kernels' block, or its
+    data has the wrong size."""
+    try:
+        qtype = GGMLType(ggml_type)
+    except ValueError:
+        raise BackendError(f"tensor '{name}': unknown ggml type {ggml_type}") from None
+    if qtype not in SUPPORTED_TYPES:
+        raise BackendError(
+            f"tensor '{name}': type {qtype.name} is not supported by the {backend} backend"
+        )
+    k = int(shape[0])
+    m = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    block = chunk_block(qtype)
+    if k % block:
+        raise BackendError(
+            f"tensor '{name}': rows of {k} weights are not a multiple of {block}, "
+            f"which the {backend} kernels need"
+        )
+    lay = device_layout(qtype, k, m)
+    block_bytes = ggml_block_bytes(qtype)
+    raw = np.asarray(data).reshape(-1)
+    if raw.nbytes != lay.n_blocks * block_bytes:
+        raise BackendError(
+            f"tensor '{name}': {raw.nbytes} bytes of data for a {qtype.name} weight of "
+            f"{k} x {m} (expected {lay.n_blocks * block_bytes})"
+        )
+    return qtype, k, m, lay, raw
 
 
 @cache

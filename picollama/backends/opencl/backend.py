@@ -238,36 +238,13 @@ class OpenCLBackend(Backend):
         return int(getattr(self._pool, "managed_bytes", 0) or 0)
 
     def weight(self, name: str, ggml_type: GGMLType, shape: tuple[int, ...], data) -> Weight:
-        try:
-            qtype = GGMLType(ggml_type)
-        except ValueError:
-            raise BackendError(f"tensor '{name}': unknown ggml type {ggml_type}") from None
-        if qtype not in layout.SUPPORTED_TYPES:
-            raise BackendError(
-                f"tensor '{name}': type {qtype.name} is not supported by the OpenCL backend"
-            )
-        k = int(shape[0])
-        m = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-        block = layout.chunk_block(qtype)
-        if k % block:
-            raise BackendError(
-                f"tensor '{name}': rows of {k} weights are not a multiple of {block}, "
-                "which the OpenCL kernels need"
-            )
-        lay = layout.device_layout(qtype, k, m)
-        block_bytes = layout.ggml_block_bytes(qtype)
-        raw = np.asarray(data).reshape(-1)
-        if raw.nbytes != lay.n_blocks * block_bytes:
-            raise BackendError(
-                f"tensor '{name}': {raw.nbytes} bytes of data for a {qtype.name} weight of "
-                f"{k} x {m} (expected {lay.n_blocks * block_bytes})"
-            )
+        qtype, k, m, lay, raw = layout.check_weight(name, ggml_type, shape, data, "OpenCL")
         buf = self._alloc(lay.nbytes, f"tensor '{name}'", read_only=True)
         if len(lay.regions) == 1:
             host = np.ascontiguousarray(raw.view(np.uint8))
         else:  # regroup field by field (one host copy of this tensor, then freed)
             host = np.zeros(lay.nbytes, np.uint8)
-            blocks = raw.view(np.uint8).reshape(lay.n_blocks, block_bytes)
+            blocks = raw.view(np.uint8).reshape(lay.n_blocks, -1)
             nb = lay.n_blocks
             for dst, src, size in lay.regions:
                 host[dst : dst + size * nb].reshape(nb, size)[...] = blocks[:, src : src + size]
