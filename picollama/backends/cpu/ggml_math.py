@@ -10,14 +10,15 @@ activation rounding would amplify):
 - ``silu_mul``: ``ggml_vec_swiglu_f32``: ``x / (1 + v_expf(-x)) * g`` for every full
   group of 8, ``x / (1 + expf(-x)) * g`` for the tail;
 - ``gelu_mul``: ``ggml_vec_geglu_f32`` with ``GGML_GELU_FP16``: GELU looked up in a table
-  of IEEE halves, indexed by ``x`` rounded to a half (``GELU_F16``); 0 below -10, ``x``
-  above 10.
+  of IEEE halves, indexed by ``x`` rounded to a half (``gelu_table``, built on first use);
+  0 below -10, ``x`` above 10.
 
 All are compiled without fast-math, so LLVM keeps every rounding.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba as nb
@@ -26,7 +27,7 @@ import numpy as np
 from picollama.backends.cpu.intrinsics import bits_from_f32, f32_from_bits, fma_f32
 from picollama.backends.cpu.qdot_act import f32_to_f16_bits
 
-__all__ = ["v_expf", "silu_mul", "gelu_mul", "GELU_F16", "expf", "hsum8_f32"]
+__all__ = ["v_expf", "silu_mul", "gelu_mul", "gelu_table", "expf", "hsum8_f32"]
 
 _F = np.float32
 _JIT = dict(nogil=True, cache=True, fastmath=False)
@@ -117,14 +118,12 @@ def _gelu_of_halves(halves):
     return out
 
 
-def _gelu_table() -> np.ndarray:
+@functools.cache
+def gelu_table() -> np.ndarray:
     """ggml_table_gelu_f16 as float32: fp16(gelu(h)) for every half ``h``."""
     h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
     with np.errstate(all="ignore"):
         return _gelu_of_halves(h).astype(np.float16).astype(np.float32)
-
-
-GELU_F16 = _gelu_table()
 
 
 @nb.njit(**_JIT)
@@ -146,5 +145,5 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     shape = gate.shape
     g = np.ascontiguousarray(gate, np.float32).reshape(-1, shape[-1])
     out = np.empty_like(g)
-    _gelu_mul(g, np.ascontiguousarray(up, np.float32).reshape(g.shape), out, GELU_F16)
+    _gelu_mul(g, np.ascontiguousarray(up, np.float32).reshape(g.shape), out, gelu_table())
     return out.reshape(shape)
