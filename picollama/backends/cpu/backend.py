@@ -8,7 +8,7 @@ import numba
 import numpy as np
 
 from picollama.backends.base import Backend, BackendError, KVCache, Weight
-from picollama.backends.cpu import ggml_math, kernels, ops, qdot
+from picollama.backends.cpu import ggml_math, kernels, ops, qdot, step
 from picollama.gguf.constants import GGMLType, row_nbytes
 
 __all__ = ["CPUBackend"]
@@ -39,6 +39,8 @@ class CPUBackend(Backend):
         numba.set_num_threads(self.n_threads)
         self._weight_bytes = 0
         self._kv_bytes = 0
+        self.compiled_steps = True
+        self._steps = step.StepCompiler(self)
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -67,9 +69,12 @@ class CPUBackend(Backend):
         # Numba has no half type; "exact": float32
         dtype = np.uint16 if self.arithmetic == "ggml" else np.float32
         cache = KVCache(n_ctx, n_kv_heads, head_dim_k, head_dim_v)
-        for _ in range(n_layers):
-            cache.k.append(np.zeros((n_ctx, n_kv_heads, head_dim_k), dtype))
-            cache.v.append(np.zeros((n_ctx, n_kv_heads, head_dim_v), dtype))
+        # one block per K and V, the layers' arrays views of it (a compiled step takes the
+        # blocks whole)
+        k = np.zeros((n_layers, n_ctx, n_kv_heads, head_dim_k), dtype)
+        v = np.zeros((n_layers, n_ctx, n_kv_heads, head_dim_v), dtype)
+        cache.k.extend(k[i] for i in range(n_layers))
+        cache.v.extend(v[i] for i in range(n_layers))
         self._kv_bytes += sum(a.nbytes for a in cache.k) + sum(a.nbytes for a in cache.v)
         return cache
 
@@ -155,6 +160,13 @@ class CPUBackend(Backend):
 
     def concat(self, parts):
         return np.concatenate(parts, axis=0)
+
+    def forward_step(self, model, segments: list) -> list[np.ndarray]:
+        """A single-token step through its compiled program (``step``) once it is proven
+        identical to the op-by-op pass; everything else op by op."""
+        if self.arithmetic != "ggml" or not self.compiled_steps:
+            return model.forward_batch(segments)
+        return self._steps.forward_step(model, segments)
 
     def take_rows(self, x, rows):
         return np.ascontiguousarray(x[np.asarray(rows)])

@@ -1,0 +1,126 @@
+"""The CPU backend's compiled decode step (``backends/cpu/step.py``) against op by op.
+
+A compiled step runs the same kernels as the op-by-op pass in the same order, so the test
+is equality, bit for bit: logits of every decode step and the KV cache they leave. Each
+case also checks that the compiled program really ran (it was traced and proven), and
+that a model it cannot express (a weight type without a SIMD kernel, a batch of several
+tokens) still gets the op-by-op answer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from model_factory import TinySpec, write_tiny_model
+
+from picollama.backends.base import BackendError, get_backend
+from picollama.gguf import GGMLType, GGUFReader
+from picollama.models import load_model
+
+PROMPT = [256, 72, 101, 108, 108, 111]
+DECODE = [44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66, 67, 68, 69]
+
+Q = GGMLType
+CASES = {
+    "llama-q4_1": TinySpec(weight_type=Q.Q4_1),
+    "llama-q4_0-untied": TinySpec(weight_type=Q.Q4_0, tied=False, n_layers=3),
+    "llama-q5_0-q5_1": TinySpec(
+        weight_type=Q.Q5_0,
+        overrides={"blk.1.ffn_down.weight": ((96, 64), Q.Q5_1)},
+    ),
+    "llama-q8_0-swa": TinySpec(weight_type=Q.Q8_0, sliding_window=4),
+    "llama-k-mixed": TinySpec(
+        weight_type=Q.Q4_K,
+        n_embd=256,
+        n_ff=512,
+        head_dim=64,
+        overrides={
+            "blk.0.attn_v.weight": ((256, 128), Q.Q6_K),
+            "blk.1.ffn_down.weight": ((512, 256), Q.Q6_K),
+        },
+    ),
+    "gemma3-q4_k-q6_k": TinySpec(
+        arch="gemma3",
+        weight_type=Q.Q4_K,
+        n_layers=7,
+        n_embd=256,
+        n_ff=512,
+        head_dim=64,
+        sliding_window=4,
+        overrides={"blk.2.attn_v.weight": ((256, 128), Q.Q6_K)},
+    ),
+    "gemma3-q8_0": TinySpec(arch="gemma3", weight_type=Q.Q8_0, n_layers=2),
+}
+
+
+def _decode(path, compiled: bool, n_ctx: int = 32):
+    """Logits of each decode step after the prompt, the cache, and the step program."""
+    backend = get_backend("cpu", n_threads=2)
+    backend.compiled_steps = compiled
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        cache = model.new_cache(n_ctx)
+        model.forward(np.array(PROMPT), 0, cache)
+        logits = []
+        for i, tok in enumerate(DECODE):
+            logits.append(model.forward(np.array([tok]), len(PROMPT) + i, cache))
+        program = backend._steps._programs.get(model)
+        return np.concatenate(logits), cache, program
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_compiled_step_equals_op_by_op(tmp_path, name):
+    path = tmp_path / f"{name}.gguf"
+    write_tiny_model(path, CASES[name])
+    want, want_cache, _ = _decode(path, compiled=False)
+    got, got_cache, program = _decode(path, compiled=True)
+    assert program is not None and program is not False and program.trusted, name
+    assert np.array_equal(got, want)
+    for layer in range(len(want_cache.k)):
+        assert np.array_equal(got_cache.k[layer], want_cache.k[layer])
+        assert np.array_equal(got_cache.v[layer], want_cache.v[layer])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.F32])
+def test_untraceable_weight_type_runs_op_by_op(tmp_path, qtype):
+    spec = TinySpec(weight_type=qtype, n_embd=256, n_ff=256, head_dim=64)
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, spec)
+    want, _, _ = _decode(path, compiled=False)
+    got, _, program = _decode(path, compiled=True)
+    assert program is False  # traced, refused: no SIMD kernel for this type
+    assert np.array_equal(got, want)
+
+
+def test_exact_arithmetic_and_batches_never_compile(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    backend = get_backend("cpu", n_threads=2, arithmetic="exact")
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        cache = model.new_cache(16)
+        for i, tok in enumerate(PROMPT):
+            model.forward(np.array([tok]), i, cache)
+        assert model not in backend._steps._programs
+    backend = get_backend("cpu", n_threads=2)
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        cache = model.new_cache(16)
+        model.forward(np.array(PROMPT), 0, cache)  # a prompt batch: op by op
+        assert model not in backend._steps._programs
+
+
+def test_compiled_step_errors_name_the_problem(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    backend = get_backend("cpu", n_threads=2)
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        cache = model.new_cache(4)
+        for i in range(4):  # trace, prove, then compiled steps
+            model.forward(np.array([65 + i]), i, cache)
+        assert backend._steps._programs[model].trusted
+        with pytest.raises(BackendError, match="overflows"):
+            model.forward(np.array([65]), 4, cache)
+        with pytest.raises(IndexError, match="out of range"):
+            model.forward(np.array([100000]), 3, cache)
