@@ -6,6 +6,8 @@ order, to a temporary file in the destination directory, fsyncs it and renames i
 destination: a crash never leaves a half-written file at the final path.
 
 Tensor arrays are kept by reference until ``write()``: do not modify them in between.
+``add_tensor_lazy`` takes a loader instead, called once during ``write()``, so a converter holds
+one tensor in memory at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import io
 import os
 import struct
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -202,7 +204,7 @@ class _PendingTensor:
     name: str
     type: GGMLType
     shape: tuple[int, ...]  # GGUF order
-    data: np.ndarray
+    data: np.ndarray | Callable[[], np.ndarray]  # a loader for lazy tensors
     nbytes: int
 
 
@@ -316,6 +318,28 @@ class GGUFWriter:
 
     # -- tensors -------------------------------------------------------------------------
 
+    def _check_tensor_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor name must be a non-empty str, got {name!r}")
+        if len(name.encode("utf-8", "surrogateescape")) >= GGML_MAX_NAME:
+            raise ValueError(f"tensor name {name!r} is {GGML_MAX_NAME} bytes or longer")
+        if name in self._tensors:
+            raise ValueError(f"duplicate tensor name {name!r}")
+
+    @staticmethod
+    def _check_shape(name: str, ggml_type: GGMLType, shape: Sequence[int]) -> tuple[int, ...]:
+        shape = tuple(int(d) for d in shape)
+        if len(shape) > GGML_MAX_DIMS or any(d < 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: invalid shape {shape}")
+        ne0 = shape[0] if shape else 1
+        block_size = GGML_TYPES[ggml_type].block_size
+        if ne0 % block_size:
+            raise ValueError(
+                f"tensor {name!r}: ne[0] = {ne0} is not a multiple of the {ggml_type.name} "
+                f"block size {block_size}"
+            )
+        return shape
+
     def add_tensor(
         self,
         name: str,
@@ -332,12 +356,7 @@ class GGUFWriter:
         shape and type.
         """
         self._check_open()
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"tensor name must be a non-empty str, got {name!r}")
-        if len(name.encode("utf-8", "surrogateescape")) >= GGML_MAX_NAME:
-            raise ValueError(f"tensor name {name!r} is {GGML_MAX_NAME} bytes or longer")
-        if name in self._tensors:
-            raise ValueError(f"duplicate tensor name {name!r}")
+        self._check_tensor_name(name)
         if not isinstance(data, np.ndarray):
             raise TypeError(f"tensor {name!r}: data must be a numpy array")
         if ggml_type is None:
@@ -364,15 +383,7 @@ class GGUFWriter:
                 )
             ne0 = data.shape[-1] // info.type_size * info.block_size
             shape = (ne0, *data.shape[-2::-1])
-        shape = tuple(int(d) for d in shape)
-        if len(shape) > GGML_MAX_DIMS or any(d < 0 for d in shape):
-            raise ValueError(f"tensor {name!r}: invalid shape {shape}")
-        ne0 = shape[0] if shape else 1
-        if ne0 % info.block_size:
-            raise ValueError(
-                f"tensor {name!r}: ne[0] = {ne0} is not a multiple of the {ggml_type.name} "
-                f"block size {info.block_size}"
-            )
+        shape = self._check_shape(name, ggml_type, shape)
         nbytes = tensor_nbytes(ggml_type, shape)
         if data.nbytes != nbytes:
             raise ValueError(
@@ -380,6 +391,27 @@ class GGUFWriter:
                 f"data has {data.nbytes}"
             )
         self._tensors[name] = _PendingTensor(name, ggml_type, shape, data, nbytes)
+
+    def add_tensor_lazy(
+        self,
+        name: str,
+        ggml_type: GGMLType | int,
+        shape: Sequence[int],
+        load: Callable[[], np.ndarray],
+    ) -> None:
+        """Add a tensor whose data ``load()`` returns during ``write()`` (called once).
+
+        ``shape`` is the GGUF shape; the loaded array must hold exactly the bytes that shape
+        and type take (uint8 raw bytes, or the dtype of ``ggml_type`` for float/int types).
+        """
+        self._check_open()
+        self._check_tensor_name(name)
+        if not callable(load):
+            raise TypeError(f"tensor {name!r}: load must be callable")
+        ggml_type = GGMLType(ggml_type)
+        shape = self._check_shape(name, ggml_type, shape)
+        nbytes = tensor_nbytes(ggml_type, shape)
+        self._tensors[name] = _PendingTensor(name, ggml_type, shape, load, nbytes)
 
     # -- output --------------------------------------------------------------------------
 
@@ -408,8 +440,13 @@ class GGUFWriter:
             rel += -(-t.nbytes // self.alignment) * self.alignment
         pos = self._pad(out, pos)
         for t in self._tensors.values():
+            arr = t.data() if callable(t.data) else t.data
+            if arr.nbytes != t.nbytes:
+                raise ValueError(
+                    f"tensor {t.name!r}: loaded {arr.nbytes} bytes, its header says {t.nbytes}"
+                )
             # Little-endian, contiguous; no copy when the data already is.
-            arr = np.ascontiguousarray(t.data)
+            arr = np.ascontiguousarray(arr)
             arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
             out.write(arr.reshape(-1).view(np.uint8).data)
             pos = self._pad(out, pos + t.nbytes)
