@@ -279,7 +279,7 @@ def eval_batch(work: Sequence[tuple[Context, Sequence[int]]]) -> list[np.ndarray
         tokens = [int(t) for t in tokens]
         ctx._check_append(tokens)
         segments.append(Segment(np.array(tokens, dtype=np.int64), len(ctx.tokens), ctx.cache))
-    logits = model.forward_batch(segments)
+    logits = model.backend.forward_step(model, segments)  # one decode token: compiled steps
     for (ctx, _), seg in zip(work, segments, strict=True):
         ctx.tokens.extend(seg.tokens.tolist())
         ctx.cache.n_past = len(ctx.tokens)

@@ -247,24 +247,17 @@ def _simd_parts(qtype: int):
                     )
         return xq, xd, xs, bsums
 
-    # decode: Q6_K's long block gains from two weight rows' independent accumulator chains;
-    # for the other types the second row's live registers cost more than they give
-    # (measured: Q8_0 39 GB/s one row at a time, 16 GB/s two)
-    pair_rows = qtype == GGMLType.Q6_K
+    # decode: one weight row at a time. Two rows' independent accumulator chains looked
+    # like a gain for Q6_K's long block, but their live registers spill: measured 4-7 GB/s
+    # a core two rows at a time, 20-24 GB/s one (Q8_0: 16 against 39).
 
     @njit(inline="always")
     def rows(w, xq, xd, xs, bsums, out, r_lo, r_hi):
         n = xq.shape[0]
         if n < 4:
             for i in range(n):
-                r = r_lo
-                if pair_rows:
-                    while r + 2 <= r_hi:
-                        vec_dot_rows(qtype, 1, 2, w, r, xq, xd, xs, bsums, i, out)
-                        r += 2
-                while r < r_hi:
+                for r in range(r_lo, r_hi):
                     vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
-                    r += 1
             return
         for i0 in range(0, n, TILE_ROWS):
             i1 = min(n, i0 + TILE_ROWS)
