@@ -564,7 +564,7 @@ def _get_type_impl(
 
 
 # tensor_type_fallback: a type whose block does not divide the rows falls back to one that
-# does (block size 32), and to F16 if even that does not fit.
+# does (block size 32); any type whose block still does not divide them falls back to F16.
 _FALLBACKS: dict[GGMLType, GGMLType] = {
     T.IQ4_XS: T.IQ4_NL,
     T.Q2_K: T.Q4_0,
@@ -580,9 +580,7 @@ def _fallback(qs: _State, name: str, shape: Sequence[int], target: GGMLType) -> 
     qk = _block_size(target)
     if ncols % qk == 0:
         return target
-    if target not in _FALLBACKS:
-        raise MixError(f"no tensor type fallback is defined for type {target.name}")
-    result = _FALLBACKS[target]
+    result = _FALLBACKS.get(target, target)
     note = ""
     if ncols % _block_size(result) != 0:
         result = T.F16
