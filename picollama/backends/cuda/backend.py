@@ -76,7 +76,8 @@ _MV_SMEM_LIMIT = 200 << 10  # bytes of x in shared memory; more rows go through 
 WORKSPACE_FLOATS = 1 << 26  # 256 MiB of float32 for the prefill tiles of dequantized weight
 _ATT_MAXD = 256  # head_dim limit of the attention kernel (ops.cu)
 _ATT_SPLIT = 512  # decode: keys per attention block before the range is split further
-_ATT_MAX_SPLITS = 64
+_ATT_MAX_SPLITS = 64  # ATD_MAX_SPLITS in ops.cu
+_ATT_MIN_KEYS = 32  # decode, GQA kernel: cache positions per split at least
 _MEM_MARGIN = 64 << 20  # bytes kept free for cuBLAS, the CUDA context and small buffers
 _EW_THREADS = 256  # threads per block of the elementwise kernels
 _MAX_GRAPH_MISSES = 4  # divergent replays before graphs are turned off
@@ -292,6 +293,11 @@ class CUDABackend(Backend):
                 self._k_att = self._ops.get_function("attention")
                 self._k_att_dec = self._ops.get_function("attention_decode")
                 self._k_comb = self._ops.get_function("attn_combine")
+                self._k_att_gqa = {
+                    (dpl, gb): self._ops.get_function(f"attention_gqa_{dpl}_{gb}")
+                    for dpl in (2, 4, 8)
+                    for gb in (1, 2, 4, 8)
+                }
                 self._k_add = self._ops.get_function("add")
                 self._k_mul = self._ops.get_function("mul")
                 self._k_scale = self._ops.get_function("scale")
@@ -1295,6 +1301,8 @@ class CUDABackend(Backend):
             raise BackendError(f"attention: q {q.shape} does not fit the cache")
         if start + n > cache.n_ctx:
             raise BackendError(f"attention: positions up to {start + n} past n_ctx {cache.n_ctx}")
+        if n == 1 and self._gqa_kernel(n_heads, cache) is not None:
+            return self._attention_gqa(q, cache, layer, start, scale, window, softcap)
         if n == 1:
             n_splits = min(_ATT_MAX_SPLITS, max(1, math.ceil(cache.n_ctx / _ATT_SPLIT)))
         else:
@@ -1326,6 +1334,47 @@ class CUDABackend(Backend):
             if n_splits > 1:
                 args = (part, out, np.int32(n_heads), np.int32(hdv), np.int32(n_splits))
                 self._launch(self._k_comb, (n_heads, n), (128,), args)
+        return out
+
+    def _gqa_kernel(self, n_heads: int, cache: KVCache):
+        """The decode attention kernel for whole GQA groups (ops.cu), or None where its
+        shapes don't fit: head_dim 64, 128 or 256 for keys and values, groups of <= 8."""
+        hd, group = cache.head_dim_k, n_heads // cache.n_kv_heads
+        if hd != cache.head_dim_v or hd not in (64, 128, 256) or not 1 <= group <= 8:
+            return None
+        return self._k_att_gqa[(hd // 32, 1 << (group - 1).bit_length())]
+
+    def _gqa_splits(self, cache: KVCache) -> int:
+        """Splits of the valid key range for decode: about one block per SM over the KV
+        heads, at most one per 32 positions of the cache."""
+        per_sm = max(1, self._n_sm // cache.n_kv_heads)
+        return max(1, min(_ATT_MAX_SPLITS, per_sm, cache.n_ctx // _ATT_MIN_KEYS))
+
+    def _attention_gqa(self, q, cache, layer, start, scale, window, softcap):
+        """One token: a block per (KV head, split) over the whole GQA group (ops.cu)."""
+        n_heads, hd = q.shape[1], q.shape[2]
+        n_kv = cache.n_kv_heads
+        group = n_heads // n_kv
+        n_splits = self._gqa_splits(cache)
+        with self._stream:
+            out = self._empty((1, n_heads * hd))
+            part = self._empty((n_kv * n_splits * group * (hd + 2),)) if n_splits > 1 else out
+            counter = self.cp.zeros((n_kv,), dtype=self.cp.int32)
+            args = (
+                q,
+                cache.k[layer],
+                cache.v[layer],
+                self._dev_start(start),
+                np.int32(n_heads),
+                np.int32(n_kv),
+                np.float32(scale),
+                np.int32(window),
+                np.float32(softcap),
+                out,
+                part,
+                counter,
+            )
+            self._launch(self._gqa_kernel(n_heads, cache), (n_kv, n_splits), (128,), args)
         return out
 
     def _binary(self, name, kernel, a, b):

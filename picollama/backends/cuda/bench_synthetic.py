@@ -327,26 +327,46 @@ def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
                 np.int32(hd), np.int32(hd), np.float32(hd**-0.5), np.int32(0),
                 np.float32(0.0), np.int32(chunk), res, part,
             )  # fmt: skip
-            launches = [_Launch(be._k_att, (n_heads, 1, splits), (128,), args)]
+            launches = [_Launch(be._k_att_dec, (n_heads, 1, splits), (128,), args)]
             if splits > 1:
                 comb = (part, res, np.int32(n_heads), np.int32(hd), np.int32(splits))
                 launches.append(_Launch(be._k_comb, (n_heads, 1), (128,), comb))
-            stream = be._stream
-            with stream:
-                stream.begin_capture()
-                for _ in range(reps):
-                    for launch in launches:
-                        launch.run()
-                graph = stream.end_capture()
-                graph.launch(stream=stream)
-                t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-                t0.record(stream)
-                graph.launch(stream=stream)
-                t1.record(stream)
-            t1.synchronize()
-            us = cp.cuda.get_elapsed_time(t0, t1) * 1000 / reps
-            out.append((f"attention pos {pos} splits {splits}", us))
+            out.append((f"attention pos {pos} splits {splits}", _graph_us(be, launches, reps)))
+        for splits in (1, 8, 16, 32):
+            # the GQA kernel: a block per (KV head, split), splits of the valid range
+            res = be._empty((1, n_heads * hd))
+            part = be._empty((n_kv * splits * (n_heads // n_kv) * (hd + 2),))
+            counter = cp.zeros((n_kv,), dtype=cp.int32)
+            start = be._upload_i32([pos])
+            args = (
+                q, cache.k[0], cache.v[0], start, np.int32(n_heads), np.int32(n_kv),
+                np.float32(hd**-0.5), np.int32(0), np.float32(0.0), res, part, counter,
+            )  # fmt: skip
+            kernel = be._gqa_kernel(n_heads, cache)
+            launches = [_Launch(kernel, (n_kv, splits), (128,), args)]
+            us = _graph_us(be, launches, reps)
+            out.append((f"attention_gqa pos {pos} splits {splits}", us))
     return out
+
+
+def _graph_us(be, launches, reps: int) -> float:
+    """Microseconds per repetition of ``launches``, captured ``reps`` times into a graph."""
+    import cupy as cp
+
+    stream = be._stream
+    with stream:
+        stream.begin_capture()
+        for _ in range(reps):
+            for launch in launches:
+                launch.run()
+        graph = stream.end_capture()
+        graph.launch(stream=stream)
+        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+        t0.record(stream)
+        graph.launch(stream=stream)
+        t1.record(stream)
+    t1.synchronize()
+    return cp.cuda.get_elapsed_time(t0, t1) * 1000 / reps
 
 
 def main(argv: list[str] | None = None) -> int:

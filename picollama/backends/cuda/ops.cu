@@ -357,6 +357,231 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
     }
 }
 
+// ------------------------------------------------------------------ decode attention, GQA
+//
+// One token, one block per (KV head, split). The block does the whole group of
+// G = n_heads / n_kv_heads query heads, so each key and value row is read once for the
+// group. Lanes run across head_dim (lane holds dims DPL * lane .. DPL * lane + DPL - 1, so a
+// row is one coalesced load of 2 * HD bytes); the block's 4 warps take keys in turn, two at a
+// time so that four rows are in flight per warp. The valid range [lo, pos] (pos read from the
+// device: a captured graph replays at any position) is cut into gridDim.y equal parts, so
+// every split has work at every position once pos + 1 >= splits. With one split the block
+// writes the normalized output; with several each block writes (max, sum, unnormalized
+// output) per head to `part`, and the last block of its KV head to finish (a counter per KV
+// head, which that block resets to 0) merges them into out: no second launch.
+
+#define ATD_WARPS 4
+#define ATD_MAX_SPLITS 64  // backend._ATT_MAX_SPLITS
+
+template <int DPL>
+__device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* f) {
+    if constexpr (DPL == 2) {
+        u32 w = __ldg((const u32*)p);
+        f[0] = h2f((u16)(w & 0xFFFFu));
+        f[1] = h2f((u16)(w >> 16));
+    } else if constexpr (DPL == 4) {
+        uint2 w = __ldg((const uint2*)p);
+        u32 w4[2] = {w.x, w.y};
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            f[2 * e] = h2f((u16)(w4[e] & 0xFFFFu));
+            f[2 * e + 1] = h2f((u16)(w4[e] >> 16));
+        }
+    } else {
+        uint4 w = __ldg((const uint4*)p);
+        u32 w4[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            f[2 * e] = h2f((u16)(w4[e] & 0xFFFFu));
+            f[2 * e + 1] = h2f((u16)(w4[e] >> 16));
+        }
+    }
+}
+
+// One key (scores of the G heads, online softmax update, weighted value) for one warp.
+template <int DPL, int GB>
+__device__ __forceinline__ void gqa_key(const float (&qr)[GB][DPL], const float* kf,
+                                        const float* vf, int G, float scale, float softcap,
+                                        float (&m)[GB], float (&l)[GB],
+                                        float (&acc)[GB][DPL]) {
+#pragma unroll
+    for (int g = 0; g < GB; g++) {
+        if (g < G) {  // uniform over the block
+            float dot = 0.f;
+#pragma unroll
+            for (int i = 0; i < DPL; i++) dot = fmaf(qr[g][i], kf[i], dot);
+            float s = warp_sum(dot) * scale;
+            if (softcap > 0.f) s = (float)((double)softcap * tanh((double)(s / softcap)));
+            float m_new = fmaxf(m[g], s);
+            float corr = expf(m[g] - m_new);  // 0 for the first key (m = -inf)
+            float p = expf(s - m_new);
+            l[g] = fmaf(l[g], corr, p);
+#pragma unroll
+            for (int i = 0; i < DPL; i++) acc[g][i] = fmaf(p, vf[i], acc[g][i] * corr);
+            m[g] = m_new;
+        }
+    }
+}
+
+template <int DPL, int GB>
+__device__ __forceinline__ void attention_gqa_body(
+    const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
+    const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, float scale, int window,
+    float softcap, float* __restrict__ out, float* __restrict__ part,
+    int* __restrict__ counter) {
+    constexpr int HD = 32 * DPL;
+    __shared__ float sm[ATD_WARPS][GB], sl[ATD_WARPS][GB];
+    __shared__ float sacc[ATD_WARPS][GB][HD];
+    __shared__ float sw[GB][ATD_MAX_SPLITS];
+    __shared__ int s_last;
+    const int kvh = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
+    const int pos = *start_ptr;
+    const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    const int len = pos + 1 - lo;
+    const int s0 = lo + (int)((i64)len * split / n_splits);
+    const int s1 = lo + (int)((i64)len * (split + 1) / n_splits);
+
+    float qr[GB][DPL], acc[GB][DPL], m[GB], l[GB];
+#pragma unroll
+    for (int g = 0; g < GB; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+        const float* qh = q + (i64)(kvh * G + min(g, G - 1)) * HD + lane * DPL;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) {
+            qr[g][i] = qh[i];
+            acc[g][i] = 0.f;
+        }
+    }
+    const i64 stride = (i64)n_kv_heads * HD;
+    const u16* kb = kc + (i64)kvh * HD + lane * DPL;
+    const u16* vb = vc + (i64)kvh * HD + lane * DPL;
+    for (int j = s0 + warp; j < s1; j += 2 * ATD_WARPS) {
+        // the second key of the pair reads a row in range when it is past the end
+        const int j2 = j + ATD_WARPS;
+        const int j2r = min(j2, s1 - 1);
+        float k1[DPL], v1[DPL], k2[DPL], v2[DPL];
+        load_halves<DPL>(kb + j * stride, k1);
+        load_halves<DPL>(vb + j * stride, v1);
+        load_halves<DPL>(kb + j2r * stride, k2);
+        load_halves<DPL>(vb + j2r * stride, v2);
+        gqa_key<DPL, GB>(qr, k1, v1, G, scale, softcap, m, l, acc);
+        if (j2 < s1) gqa_key<DPL, GB>(qr, k2, v2, G, scale, softcap, m, l, acc);
+    }
+
+    // merge the warps' states
+#pragma unroll
+    for (int g = 0; g < GB; g++) {
+        if (lane == 0) {
+            sm[warp][g] = m[g];
+            sl[warp][g] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < DPL; i++) sacc[warp][g][lane * DPL + i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
+        const int g = e / HD, d = e % HD;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < ATD_WARPS; w++) mx = fmaxf(mx, sm[w][g]);
+        float total = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATD_WARPS; w++) {
+            float wt = sm[w][g] > NEG_INF ? expf(sm[w][g] - mx) : 0.f;
+            total = fmaf(sl[w][g], wt, total);
+            o = fmaf(sacc[w][g][d], wt, o);
+        }
+        if (n_splits == 1) {
+            out[(i64)(kvh * G + g) * HD + d] = o / total;
+        } else {
+            float* pp = part + ((i64)(kvh * n_splits + split) * G + g) * (HD + 2);
+            pp[2 + d] = o;  // 0 for a split without keys
+            if (d == 0) {
+                pp[0] = mx;
+                pp[1] = total;
+            }
+        }
+    }
+    if (n_splits == 1) return;
+
+    // the last block of this KV head merges the splits
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(counter + kvh, 1) == n_splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const i64 sstride = (i64)G * (HD + 2);
+    for (int g = warp; g < G; g += ATD_WARPS) {
+        const float* pg = part + ((i64)kvh * n_splits * G + g) * (HD + 2);
+        float ms[2], ls[2];
+        float mx = NEG_INF;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int s = lane + 32 * r;
+            ms[r] = NEG_INF;
+            ls[r] = 0.f;
+            if (s < n_splits) {
+                ms[r] = __ldcg(pg + s * sstride);
+                ls[r] = __ldcg(pg + s * sstride + 1);
+            }
+            if (ls[r] > 0.f) mx = fmaxf(mx, ms[r]);
+        }
+        mx = warp_max(mx);
+        float wr[2], total = 0.f;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            wr[r] = ls[r] > 0.f ? expf(ms[r] - mx) : 0.f;
+            total = fmaf(ls[r], wr[r], total);
+        }
+        total = warp_sum(total);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int s = lane + 32 * r;
+            if (s < n_splits) sw[g][s] = wr[r] / total;
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
+        const int g = e / HD, d = e % HD;
+        const float* pg = part + ((i64)kvh * n_splits * G + g) * (HD + 2) + 2 + d;
+        float o = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < n_splits; s++) o = fmaf(sw[g][s], __ldcg(pg + s * sstride), o);
+        out[(i64)(kvh * G + g) * HD + d] = o;
+    }
+    if (threadIdx.x == 0) counter[kvh] = 0;  // ready for the next launch (graph replays)
+}
+
+#define ATD_PARAMS                                                                         \
+    const float *__restrict__ q, const u16 *__restrict__ kc, const u16 *__restrict__ vc,     \
+        const int *__restrict__ start_ptr, int n_heads, int n_kv_heads, float scale,        \
+        int window, float softcap, float *__restrict__ out, float *__restrict__ part,        \
+        int *__restrict__ counter
+#define ATD_ARGS \
+    q, kc, vc, start_ptr, n_heads, n_kv_heads, scale, window, softcap, out, part, counter
+// attention_gqa_<DPL>_<GB>: head_dim 32 * DPL (64, 128, 256), groups of at most GB heads
+#define ATD_KERNEL(DPL, GB)                                                                \
+    extern "C" __global__ void __launch_bounds__(ATD_WARPS * 32)                           \
+        attention_gqa_##DPL##_##GB(ATD_PARAMS) {                                           \
+        attention_gqa_body<DPL, GB>(ATD_ARGS);                                             \
+    }
+ATD_KERNEL(2, 1)
+ATD_KERNEL(2, 2)
+ATD_KERNEL(2, 4)
+ATD_KERNEL(2, 8)
+ATD_KERNEL(4, 1)
+ATD_KERNEL(4, 2)
+ATD_KERNEL(4, 4)
+ATD_KERNEL(4, 8)
+ATD_KERNEL(8, 1)
+ATD_KERNEL(8, 2)
+ATD_KERNEL(8, 4)
+ATD_KERNEL(8, 8)
+
 // ---------------------------------------------------------------------------- elementwise
 
 // out = a + b and out = a * b, b repeating every nb elements (a row-broadcast vector)
