@@ -1,0 +1,263 @@
+"""Make the tiny HF checkpoints of tests/data/convert/ and freeze transformers' answers.
+
+Needs torch, transformers, tokenizers, sentencepiece and protobuf (CI does not: it only reads what
+this wrote). Run from the repository root:
+
+    python tests/gen_convert_fixtures.py
+
+Each tests/data/convert/<name>/ holds a float32 safetensors checkpoint with random weights
+(fixed seeds; norms and biases randomized too, so the +1 of Gemma's norms, the Q/K
+permutation and the biases all matter), its tokenizer files, and:
+
+- logits_<i>.npy: transformers' logits for prompt i (all positions, float32)
+- refs.json: the prompts' ids, and the HF tokenizer's ids for each line of the corpus
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+OUT = Path(__file__).parent / "data" / "convert"
+
+TRAIN_TEXT = """\
+The quick brown fox jumps over the lazy dog. A tiny model reads tiny text.
+Hello world! How are you today? I'm fine, thanks; we'll see what they've done.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 123 2024 3.14159 1,000,000.
+Converting checkpoints to GGUF keeps the weights and the tokenizer together.
+Llamas, Qwens and Gemmas all have attention, feed-forward layers and norms.
+Café, naïve, résumé; 你好世界; Привет мир; emoji 🦙 and tabs\tand newlines.
+def main():\n    return 0  # code has spaces, brackets [1, 2] and {braces}.
+"""
+
+# Lines the tokenizer tests compare on (unseen words, byte fallback, spaces, digits).
+CORPUS = [
+    "Hello world",
+    " leading space and  double  spaces",
+    "The quick brown fox jumps over the lazy dog.",
+    "numbers 12345 and 3.14, dates 2024-01-02",
+    "I'm sure they'll say we've won't",
+    "Café naïve 你好 Привет 🦙🦙",
+    "tabs\tand\nnewlines\n\n  indented",
+    "def f(x):\n    return x * 2",
+    "zebra quixotic xylophone",
+]
+PROMPTS = ["The quick brown fox", "Hello world! Numbers 42 and 3.14, you?"]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
+
+
+def train_spm(folder: Path, vocab_size: int, dummy_prefix: bool, **specials) -> None:
+    """A tiny SentencePiece BPE with byte fallback; ``specials``: Gemma's ids and pieces."""
+    specials = specials or dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TRAIN_TEXT.splitlines() * 4),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=0.995,
+        add_dummy_prefix=dummy_prefix,
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        num_threads=1,
+        minloglevel=2,
+        normalization_rule_name="identity",
+        **specials,
+    )
+    (folder / "tokenizer.model").write_bytes(buf.getvalue())
+
+
+def train_bpe(vocab_size: int, specials: list[str]) -> Tokenizer:
+    split = (
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+"
+        "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+    )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TRAIN_TEXT.splitlines() * 4, trainer)
+    return tok
+
+
+def randomize_small_params(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights and biases start as constants; make them random so they are tested."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def freeze(folder: Path, model, tokenizer) -> None:
+    model.eval()
+    refs = {"prompts": [], "corpus": []}
+    for i, prompt in enumerate(PROMPTS):
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float().numpy()
+        np.save(folder / f"logits_{i}.npy", logits.astype(np.float32))
+        refs["prompts"].append({"text": prompt, "ids": ids})
+    for line in CORPUS:
+        refs["corpus"].append(
+            {
+                "text": line,
+                "ids": tokenizer(line)["input_ids"],
+                "ids_no_special": tokenizer(line, add_special_tokens=False)["input_ids"],
+            }
+        )
+    lines = [json.dumps(entry, ensure_ascii=False) for entry in refs["prompts"] + refs["corpus"]]
+    n = len(refs["prompts"])
+    text = '{\n"prompts": [\n' + ",\n".join(lines[:n]) + '\n],\n"corpus": [\n'
+    (folder / "refs.json").write_text(text + ",\n".join(lines[n:]) + "\n]\n}\n")
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """save_pretrained, minus the keys that record where the files were made."""
+    tokenizer.save_pretrained(folder)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    for key in ("vocab_file", "is_local", "local_files_only"):
+        config.pop(key, None)
+    path.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+
+
+def fresh(name: str) -> Path:
+    folder = OUT / name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def make_llama() -> None:
+    """Llama with a SentencePiece tokenizer.model, untied output, GQA."""
+    folder = fresh("llama")
+    train_spm(folder, 400, dummy_prefix=True)
+    tokenizer = transformers.LlamaTokenizer.from_pretrained(folder, add_bos_token=True)
+    save_tokenizer(tokenizer, folder)
+    config = transformers.LlamaConfig(
+        vocab_size=400, rms_norm_eps=1e-5, tie_word_embeddings=False, **SMALL
+    )
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config)
+    randomize_small_params(model, 1)
+    model.save_pretrained(folder)
+    freeze(folder, model, transformers.AutoTokenizer.from_pretrained(folder))
+
+
+def make_qwen(name: str, seed: int) -> None:
+    """Qwen2 (q/k/v biases, untied, sharded weights) or Qwen3 (q/k norms, head_dim 16,
+    tied embeddings), both with a byte-level BPE tokenizer.json and a chat template."""
+    folder = fresh(name)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = train_bpe(300, specials)
+    n_vocab = tok.get_vocab_size()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    save_tokenizer(fast, folder)
+    if name == "qwen2":
+        config = transformers.Qwen2Config(
+            vocab_size=n_vocab + 4,  # padded, as real Qwen vocabularies are
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+            rope_theta=1_000_000.0,
+            eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"),
+            **SMALL,
+        )
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.Qwen3Config(
+            vocab_size=n_vocab,
+            head_dim=16,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            eos_token_id=fast.convert_tokens_to_ids("<|im_end|>"),
+            **SMALL,
+        )
+        cls = transformers.Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config)
+    randomize_small_params(model, seed)
+    model.save_pretrained(folder, max_shard_size="60KB" if name == "qwen2" else "50MB")
+    freeze(folder, model, transformers.AutoTokenizer.from_pretrained(folder))
+
+
+def make_gemma3() -> None:
+    """Gemma 3 text with a SentencePiece tokenizer.model (no dummy prefix), tied output."""
+    folder = fresh("gemma3")
+    train_spm(
+        folder,
+        400,
+        dummy_prefix=False,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        pad_piece="<pad>",
+        eos_piece="<eos>",
+        bos_piece="<bos>",
+        unk_piece="<unk>",
+    )
+    tokenizer = transformers.GemmaTokenizer.from_pretrained(folder, add_bos_token=True)
+    save_tokenizer(tokenizer, folder)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=400,
+        head_dim=16,
+        query_pre_attn_scalar=16,  # llama.cpp scales by 1/sqrt(head_dim)
+        sliding_window=64,
+        rms_norm_eps=1e-6,
+        **SMALL,
+    )
+    torch.manual_seed(3)
+    model = transformers.Gemma3ForCausalLM(config)
+    randomize_small_params(model, 3)
+    model.save_pretrained(folder)
+    freeze(folder, model, transformers.AutoTokenizer.from_pretrained(folder))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    make_llama()
+    make_qwen("qwen2", 2)
+    make_qwen("qwen3", 4)
+    make_gemma3()
+    total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
+    print(f"wrote {OUT} ({total // 1024} KiB)")
