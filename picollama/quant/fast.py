@@ -64,8 +64,7 @@ def _kernels():
 
 
 FAST_TYPES = frozenset(
-    set()
-    and {
+    {
         GGMLType.Q4_0,
         GGMLType.Q4_1,
         GGMLType.Q5_0,
