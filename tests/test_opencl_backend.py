@@ -231,6 +231,12 @@ def test_memory_report(be_default):
     assert set(rep) >= {"weights", "kv_cache", "workspace"}
 
 
+def test_measure_bandwidth(be_default):
+    """The bench's decode ceiling: a device copy timed by profiling events, bytes per second."""
+    bw = be_default.measure_bandwidth(n_bytes=1 << 20, repeats=1)
+    assert np.isfinite(bw) and bw > 1e6
+
+
 # -- ops against the CPU backend ------------------------------------------------------------
 
 

@@ -338,6 +338,33 @@ class OpenCLBackend(Backend):
         self.queue.finish()
         self._pending.clear()
 
+    def measure_bandwidth(self, n_bytes: int | None = None, repeats: int = 5) -> float:
+        """Bytes/s of a device-to-device buffer copy (read + write), the best of ``repeats``.
+
+        ``n_bytes`` (optional, default: 1 GiB, or less where the device's largest buffer or
+        an eighth of its memory is smaller) is the size of the copied buffer. Timed by the
+        device's own profiling events, so host overhead does not count. ``picollama-bench``
+        takes this as the decode ceiling's bandwidth.
+        """
+        cl = self.cl
+        if n_bytes is None:
+            n_bytes = min(1 << 30, self.info.max_alloc, self.info.global_mem // 8)
+        n_bytes = max(4, n_bytes // 4 * 4)
+        props = cl.command_queue_properties.PROFILING_ENABLE
+        queue = cl.CommandQueue(self.ctx, properties=props)
+        src = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, n_bytes)
+        dst = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, n_bytes)
+        try:
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first run warms up
+                event = cl.enqueue_copy(queue, dst, src, byte_count=n_bytes)
+                event.wait()
+                best = min(best, max(event.profile.end - event.profile.start, 1) * 1e-9)
+        finally:
+            src.release()
+            dst.release()
+        return 2 * n_bytes / best
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _empty(self, shape, dtype=np.float32) -> CLArray:
