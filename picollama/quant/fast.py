@@ -100,5 +100,9 @@ def quantize_rows(x: np.ndarray, qtype: GGMLType, *, reference: bool = False) ->
             f"{n} weights per row is not a multiple of the {qtype.name} block of {info.block_size}"
         )
     out = np.empty((n_rows, n // info.block_size * info.type_size), dtype=np.uint8)
+    # Numba compiles once per array type, and read-only is a type of its own: always pass a
+    # read-only view (as the rows of an mmap'd input are) so one compiled kernel serves all.
+    x = x.view()
+    x.flags.writeable = False
     _kernels().quantize_into(x, out, int(qtype))
     return out

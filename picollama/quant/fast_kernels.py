@@ -39,13 +39,14 @@ _KVALUES = np.array(
 @njit(cache=True)
 def _nearest_int(f):
     """ggml's ``nearest_int``: (f + 1.5 * 2**23) read as int, mantissa minus 2**22."""
-    if f >= -4194304.0 and f < 4194304.0:
-        return int(np.rint(f))  # in this range the trick is round-half-even
-    v = np.float32(f) + _MAGIC
+    v = f + _MAGIC  # float32
+    if v >= _F(8388608.0) and v < _F(16777216.0):
+        # one ulp is 1 here: v is the integer 12582912 + round-half-even(f)
+        return int(v) - 12582912
     if v != v:
         return 0  # the default NaN's mantissa is 0x400000
-    if math.isinf(v):
-        return -4194304
+    if v == 0 or math.isinf(v):
+        return -4194304  # mantissa 0
     m, e = math.frexp(abs(float(v)))
     return int((m * 2.0 - 1.0) * 8388608.0) - 4194304
 
