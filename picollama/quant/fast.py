@@ -6,12 +6,14 @@ type but one: IQ4_NL, whose ``quantize_iq4_nl`` searches 15 scales per block (``
 where ``quantize_row_iq4_nl_ref`` takes the first least-squares scale.
 :func:`quantize_iq4_nl_search` is the numpy reference of that search.
 
-The hot types have Numba kernels in :mod:`picollama.quant.fast_kernels`, parallel over rows
-and byte-identical to the numpy references (the tests compare them on random data);
+The hot types have Numba kernels in :mod:`picollama.quant.fast_kernels`, run over rows on a
+thread pool and byte-identical to the numpy references (the tests compare them on random data);
 :func:`quantize_rows` picks the kernel, or the numpy reference where there is none.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -81,11 +83,13 @@ FAST_TYPES = frozenset(
 )
 
 
-def quantize_rows(x: np.ndarray, qtype: GGMLType, *, reference: bool = False) -> np.ndarray:
+def quantize_rows(
+    x: np.ndarray, qtype: GGMLType, *, n_threads: int | None = None, reference: bool = False
+) -> np.ndarray:
     """Quantize float32 rows ``x`` (n_rows, n_per_row) to ``qtype`` as llama-quantize does.
 
-    Returns uint8 (n_rows, row_bytes). Uses the Numba kernel of ``qtype`` when there is one
-    (parallel over rows, on Numba's threads) unless ``reference`` is true.
+    Returns uint8 (n_rows, row_bytes). Uses the Numba kernel of ``qtype`` when there is one,
+    on ``n_threads`` threads (optional, default: one per CPU), unless ``reference`` is true.
     """
     qtype = GGMLType(qtype)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -104,5 +108,7 @@ def quantize_rows(x: np.ndarray, qtype: GGMLType, *, reference: bool = False) ->
     # read-only view (as the rows of an mmap'd input are) so one compiled kernel serves all.
     x = x.view()
     x.flags.writeable = False
-    _kernels().quantize_into(x, out, int(qtype))
+    if n_threads is None:
+        n_threads = os.cpu_count() or 1
+    _kernels().quantize_into(x, out, int(qtype), n_threads)
     return out

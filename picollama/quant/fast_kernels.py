@@ -14,9 +14,10 @@ dispatch.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from picollama.gguf.constants import GGMLType
 
@@ -683,89 +684,162 @@ def _iq4_xs_block(x, s, y, o, scales):
 
 
 # ------------------------------------------------------------------------ row kernels
+# One small kernel per type over rows [r0, r1), released from the GIL: quantize_into runs
+# them on a thread pool. (One prange kernel for all types compiled several times slower, and
+# compiled every type on first use.)
 
 
-@njit(cache=True, parallel=True)
-def _rows_legacy(x, out, kind):
-    """kind: 0 Q4_0, 1 Q4_1, 2 Q5_0, 3 Q5_1, 4 Q8_0 (blocks of 32)."""
-    n_rows, n = x.shape
-    size = out.shape[1] // (n // 32)
-    for r in prange(n_rows):
-        xr = x[r]
-        yr = out[r]
-        for b in range(n // 32):
-            if kind == 0:
-                _q4_0_block(xr, 32 * b, yr, size * b)
-            elif kind == 1:
-                _q4_1_block(xr, 32 * b, yr, size * b)
-            elif kind == 2:
-                _q5_0_block(xr, 32 * b, yr, size * b)
-            elif kind == 3:
-                _q5_1_block(xr, 32 * b, yr, size * b)
-            else:
-                _q8_0_block(xr, 32 * b, yr, size * b)
+@njit(cache=True, nogil=True)
+def _rows_q4_0(x, out, r0, r1):
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 32):
+            _q4_0_block(x[r], 32 * b, out[r], 18 * b)
 
 
-@njit(cache=True, parallel=True)
-def _rows_k(x, out, kind):
-    """kind: 2 Q2_K, 3 Q3_K, 4 Q4_K, 5 Q5_K, 6 Q6_K (super-blocks of 256)."""
-    n_rows, n = x.shape
-    n_blocks = n // 256
-    size = out.shape[1] // n_blocks
-    for r in prange(n_rows):
-        xr = x[r]
-        yr = out[r]
-        L = np.zeros(n, dtype=np.int32)
-        w = np.empty(32, dtype=np.float32)
-        laux = np.empty(32, dtype=np.int32)
-        scales = np.empty(16, dtype=np.float32)
-        mins = np.empty(16, dtype=np.float32)
-        for b in range(n_blocks):
-            s = 256 * b
-            o = size * b
-            if kind == 2:
-                _q2_k_block(xr, s, yr, o, L, w, laux, scales, mins)
-            elif kind == 3:
-                _q3_k_block(xr, s, yr, o, L, scales)
-            elif kind == 4:
-                _q4_k_block(xr, s, yr, o, L, w, laux, scales, mins)
-            elif kind == 5:
-                _q5_k_block(xr, s, yr, o, L, w, laux, scales, mins)
-            else:
-                _q6_k_block(xr, s, yr, o, L, scales)
+@njit(cache=True, nogil=True)
+def _rows_q4_1(x, out, r0, r1):
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 32):
+            _q4_1_block(x[r], 32 * b, out[r], 20 * b)
 
 
-@njit(cache=True, parallel=True)
-def _rows_iq4(x, out, xs):
-    """xs false: IQ4_NL (blocks of 32); true: IQ4_XS (super-blocks of 256)."""
-    n_rows, n = x.shape
-    for r in prange(n_rows):
-        xr = x[r]
-        yr = out[r]
-        if xs:
-            scales = np.empty(8, dtype=np.float32)
-            for b in range(n // 256):
-                _iq4_xs_block(xr, 256 * b, yr, 136 * b, scales)
-        else:
-            for b in range(n // 32):
-                _iq4_nl_block(xr, 32 * b, yr, 18 * b)
+@njit(cache=True, nogil=True)
+def _rows_q5_0(x, out, r0, r1):
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 32):
+            _q5_0_block(x[r], 32 * b, out[r], 22 * b)
 
 
-_LEGACY = {GGMLType.Q4_0: 0, GGMLType.Q4_1: 1, GGMLType.Q5_0: 2, GGMLType.Q5_1: 3, GGMLType.Q8_0: 4}
-_K = {GGMLType.Q2_K: 2, GGMLType.Q3_K: 3, GGMLType.Q4_K: 4, GGMLType.Q5_K: 5, GGMLType.Q6_K: 6}
+@njit(cache=True, nogil=True)
+def _rows_q5_1(x, out, r0, r1):
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 32):
+            _q5_1_block(x[r], 32 * b, out[r], 24 * b)
 
 
-def quantize_into(x: np.ndarray, out: np.ndarray, qtype: int) -> None:
+@njit(cache=True, nogil=True)
+def _rows_q8_0(x, out, r0, r1):
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 32):
+            _q8_0_block(x[r], 32 * b, out[r], 34 * b)
+
+
+@njit(cache=True, nogil=True)
+def _rows_q2_k(x, out, r0, r1):
+    L = np.zeros(x.shape[1], dtype=np.int32)
+    w = np.empty(32, dtype=np.float32)
+    laux = np.empty(32, dtype=np.int32)
+    scales = np.empty(16, dtype=np.float32)
+    mins = np.empty(16, dtype=np.float32)
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 256):
+            _q2_k_block(x[r], 256 * b, out[r], 84 * b, L, w, laux, scales, mins)
+
+
+@njit(cache=True, nogil=True)
+def _rows_q3_k(x, out, r0, r1):
+    L = np.zeros(x.shape[1], dtype=np.int32)
+    scales = np.empty(16, dtype=np.float32)
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 256):
+            _q3_k_block(x[r], 256 * b, out[r], 110 * b, L, scales)
+
+
+@njit(cache=True, nogil=True)
+def _rows_q4_k(x, out, r0, r1):
+    L = np.zeros(x.shape[1], dtype=np.int32)
+    w = np.empty(32, dtype=np.float32)
+    laux = np.empty(32, dtype=np.int32)
+    scales = np.empty(16, dtype=np.float32)
+    mins = np.empty(16, dtype=np.float32)
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 256):
+            _q4_k_block(x[r], 256 * b, out[r], 144 * b, L, w, laux, scales, mins)
+
+
+@njit(cache=True, nogil=True)
+def _rows_q5_k(x, out, r0, r1):
+    L = np.zeros(x.shape[1], dtype=np.int32)
+    w = np.empty(32, dtype=np.float32)
+    laux = np.empty(32, dtype=np.int32)
+    scales = np.empty(16, dtype=np.float32)
+    mins = np.empty(16, dtype=np.float32)
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 256):
+            _q5_k_block(x[r], 256 * b, out[r], 176 * b, L, w, laux, scales, mins)
+
+
+@njit(cache=True, nogil=True)
+def _rows_q6_k(x, out, r0, r1):
+    L = np.zeros(x.shape[1], dtype=np.int32)
+    scales = np.empty(16, dtype=np.float32)
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 256):
+            _q6_k_block(x[r], 256 * b, out[r], 210 * b, L, scales)
+
+
+@njit(cache=True, nogil=True)
+def _rows_iq4_nl(x, out, r0, r1):
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 32):
+            _iq4_nl_block(x[r], 32 * b, out[r], 18 * b)
+
+
+@njit(cache=True, nogil=True)
+def _rows_iq4_xs(x, out, r0, r1):
+    scales = np.empty(8, dtype=np.float32)
+    for r in range(r0, r1):
+        for b in range(x.shape[1] // 256):
+            _iq4_xs_block(x[r], 256 * b, out[r], 136 * b, scales)
+
+
+T = GGMLType
+KERNELS = {
+    T.Q4_0: _rows_q4_0,
+    T.Q4_1: _rows_q4_1,
+    T.Q5_0: _rows_q5_0,
+    T.Q5_1: _rows_q5_1,
+    T.Q8_0: _rows_q8_0,
+    T.Q2_K: _rows_q2_k,
+    T.Q3_K: _rows_q3_k,
+    T.Q4_K: _rows_q4_k,
+    T.Q5_K: _rows_q5_k,
+    T.Q6_K: _rows_q6_k,
+    T.IQ4_NL: _rows_iq4_nl,
+    T.IQ4_XS: _rows_iq4_xs,
+}
+
+# Weights per task handed to a thread: small enough to balance two threads on small
+# tensors, big enough that the Python round trip (~20 us) is noise.
+_TASK_WEIGHTS = 1 << 16
+
+_pool: ThreadPoolExecutor | None = None
+_pool_threads = 0
+
+
+def _get_pool(n_threads: int) -> ThreadPoolExecutor:
+    global _pool, _pool_threads
+    if _pool is None or _pool_threads != n_threads:
+        if _pool is not None:
+            _pool.shutdown()
+        _pool = ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="quantize")
+        _pool_threads = n_threads
+    return _pool
+
+
+def quantize_into(x: np.ndarray, out: np.ndarray, qtype: int, n_threads: int = 1) -> None:
     """Quantize float32 rows ``x`` (C-contiguous, (n_rows, n)) into ``out`` (uint8,
-    (n_rows, row_bytes)) as ggml type ``qtype``; the caller checks the shapes."""
-    qtype = GGMLType(qtype)
-    if qtype in _LEGACY:
-        _rows_legacy(x, out, _LEGACY[qtype])
-    elif qtype in _K:
-        _rows_k(x, out, _K[qtype])
-    elif qtype == GGMLType.IQ4_NL:
-        _rows_iq4(x, out, False)
-    elif qtype == GGMLType.IQ4_XS:
-        _rows_iq4(x, out, True)
-    else:
-        raise ValueError(f"no Numba kernel for {qtype.name}")
+    (n_rows, row_bytes)) as ggml type ``qtype`` on ``n_threads`` threads; the caller checks
+    the shapes."""
+    kernel = KERNELS.get(GGMLType(qtype))
+    if kernel is None:
+        raise ValueError(f"no Numba kernel for {GGMLType(qtype).name}")
+    n_rows, n = x.shape
+    step = max(1, _TASK_WEIGHTS // max(n, 1))
+    if n_threads <= 1 or n_rows <= step:
+        kernel(x, out, 0, n_rows)
+        return
+    pool = _get_pool(n_threads)
+    tasks = [pool.submit(kernel, x, out, r, min(r + step, n_rows)) for r in range(0, n_rows, step)]
+    for task in tasks:
+        task.result()

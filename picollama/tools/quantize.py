@@ -132,7 +132,9 @@ def _check_plan(plan: list[TensorChoice], allow_requantize: bool) -> None:
             raise QuantizeError(f"tensor {c.name!r}: cannot write type {c.new_type.name}")
 
 
-def _convert(info, choice: TensorChoice, write: Callable[[bytes], None]) -> None:
+def _convert(
+    info, choice: TensorChoice, write: Callable[[bytes], None], n_threads: int | None
+) -> None:
     """Write tensor ``info`` as ``choice.new_type``, a chunk of rows at a time."""
     data = info.data
     if not choice.changes:
@@ -150,7 +152,7 @@ def _convert(info, choice: TensorChoice, write: Callable[[bytes], None]) -> None
             x = chunk.view(np.float32)
         else:
             x = dequantize(chunk, info.type, what=choice.name)
-        write(quantize_rows(x, choice.new_type))
+        write(quantize_rows(x, choice.new_type, n_threads=n_threads))
 
 
 def quantize_file(
@@ -173,10 +175,6 @@ def quantize_file(
         raise QuantizeError(f"output {path_out!r} is a directory")
     if os.path.exists(path_out) and os.path.exists(path_in) and os.path.samefile(path_in, path_out):
         raise QuantizeError(f"output {path_out!r} is the input file; choose another name")
-    if n_threads is not None:
-        import numba
-
-        numba.set_num_threads(max(1, min(n_threads, numba.config.NUMBA_NUM_THREADS)))
 
     with GGUFReader(path_in) as reader:
         if not reader.tensors:
@@ -207,7 +205,7 @@ def quantize_file(
                         _out.write(b)
                         written += len(b)
 
-                    _convert(by_name[choice.name], choice, write)
+                    _convert(by_name[choice.name], choice, write, n_threads)
                     assert written == size, (choice.name, written, size)
                     out.write(b"\0" * (-size % alignment))
                     if bar is not None:
