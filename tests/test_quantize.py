@@ -251,16 +251,16 @@ def test_no_partial_output_after_a_failure(work, tmp_path, monkeypatch, capsys, 
 def test_kernels_match_numpy_references(qtype):
     rng = np.random.default_rng(int(qtype))
     block = 256 if qtype.name.endswith("_K") or qtype == GGMLType.IQ4_XS else 32
-    for n_rows, n_blocks in [(1, 1), (7, 3), (33, 2)]:
+    for n_rows, n_blocks in [(1, 1), (7, 3), (33, 2), (700, 1)]:  # 700: several tasks
         x = rng.standard_normal((n_rows, n_blocks * block)).astype(np.float32)
         x[0, : block // 2] *= 1e-3  # a small sub-block
         x[-1, -block:] = 0  # an all-zero block
         if n_rows > 3:
             x[1] = np.round(x[1] * 4) / 4  # ties between levels
             x[2] *= 1e4
-        got = fast.quantize_rows(x, qtype)
         want = fast.quantize_rows_reference(x, qtype)
-        assert np.array_equal(got, want), qtype.name
+        for n_threads in (1, 2):
+            assert np.array_equal(fast.quantize_rows(x, qtype, n_threads=n_threads), want)
 
 
 TOKENS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10]

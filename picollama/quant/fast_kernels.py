@@ -841,5 +841,10 @@ def quantize_into(x: np.ndarray, out: np.ndarray, qtype: int, n_threads: int = 1
         return
     pool = _get_pool(n_threads)
     tasks = [pool.submit(kernel, x, out, r, min(r + step, n_rows)) for r in range(0, n_rows, step)]
-    for task in tasks:
-        task.result()
+    try:
+        for task in tasks:
+            task.result()
+    except BaseException:  # an interrupt: do not leave the rest of the tensor queued
+        for task in tasks:
+            task.cancel()
+        raise
