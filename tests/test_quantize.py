@@ -275,11 +275,14 @@ def _logits(path, tokens):
 
 
 def test_quantized_model_runs_in_picollama(work):
-    """Our Q4_K_M (byte for byte llama-quantize's) loads and stays close to the F32 model."""
+    """Our outputs, byte for byte llama-quantize's, load and run; their logits are the F32
+    model's, further off as the bits go down."""
     ref = _logits(work / "untied-f32.gguf", TOKENS)
     errors = {}
     for key in ("untied/Q8_0", "untied/Q6_K", "untied/Q4_K_M", "untied/Q2_K"):
-        got = _logits(_produce(work, key), TOKENS)
+        path = _produce(work, key)
+        assert sha256(path) == SYNTHETIC["cases"][key]["out"]["sha256"]  # llama.cpp's file
+        got = _logits(path, TOKENS)
         errors[key] = np.abs(got - ref).max() / np.abs(ref).max()
     # random weights amplify quantization error; fewer bits, more error
     assert errors["untied/Q8_0"] < errors["untied/Q6_K"] < errors["untied/Q4_K_M"]

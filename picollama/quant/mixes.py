@@ -565,6 +565,8 @@ def _get_type_impl(
 
 # tensor_type_fallback: a type whose block does not divide the rows falls back to one that
 # does (block size 32); any type whose block still does not divide them falls back to F16.
+# (A type with no entry here, Q8_0 say, goes straight to F16: that is what llama-quantize
+# 0.5.0 does, where some versions of the source throw "no tensor type fallback" instead.)
 _FALLBACKS: dict[GGMLType, GGMLType] = {
     T.IQ4_XS: T.IQ4_NL,
     T.Q2_K: T.Q4_0,

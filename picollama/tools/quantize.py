@@ -332,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (QuantizeError, MixError, GGUFError, UnsupportedTypeError) as err:
         return _error(str(err))
-    except OSError as err:
+    except OSError as err:  # a missing file, a full disk, a folder we may not write in
         return _error(str(err))
+    except (ValueError, MemoryError) as err:  # anything else a strange file can provoke
+        return _error(f"{type(err).__name__}: {err}")
     bpw = 8.0 / summary.n_elements if summary.n_elements else 0.0
     print(
         f"model size  = {summary.size_before / MiB:8.2f} MiB "
