@@ -23,7 +23,7 @@ import pytest
 from gen_quantize_refs import MODELS, write_model
 
 from picollama.backends.base import get_backend
-from picollama.gguf import GGMLType, GGUFReader
+from picollama.gguf import GGMLType, GGUFReader, GGUFWriter
 from picollama.models import load_model
 from picollama.quant import fast
 from picollama.quant.mixes import (
@@ -222,6 +222,45 @@ def test_hostile_inputs(work, tmp_path, capsys):
         assert not out.exists()
     assert _run(tmp_path / "missing.gguf", tmp_path / "o.gguf", "Q4_0") == 1
     assert sorted(os.listdir(tmp_path)) == sorted(cases)
+
+
+def _tiny_gguf(path, metadata: dict, tensors: dict) -> None:
+    w = GGUFWriter(path)
+    for key, value in metadata.items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_uint32(key, value)
+    for name, data in tensors.items():
+        w.add_tensor(name, data)
+    w.write()
+
+
+@pytest.mark.parametrize(
+    "metadata, tensors, message",
+    [
+        ({"llama.block_count": 1}, {}, "no general.architecture"),
+        ({"general.architecture": "llama"}, {}, "no llama.block_count"),
+        (
+            {"general.architecture": "llama", "llama.block_count": "one"},
+            {},
+            "llama.block_count is not an integer",
+        ),
+        (
+            {"general.architecture": "llama", "llama.block_count": 1},
+            {"blk.0.ffn_up.weight": np.ones((4, 64), np.int32)},
+            "cannot convert tensor type I32",
+        ),
+    ],
+)
+def test_refuses_models_it_cannot_plan(tmp_path, capsys, metadata, tensors, message):
+    src = tmp_path / "in.gguf"
+    tensors = {"blk.0.attn_q.weight": np.ones((4, 256), np.float32), **tensors}
+    _tiny_gguf(src, metadata, tensors)
+    assert _run(src, tmp_path / "out.gguf", "Q4_0") == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("picollama-quantize: error:") and message in err, err
+    assert os.listdir(tmp_path) == ["in.gguf"]
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, OSError(28, "No space left on device")])

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Any
 
+import numpy as np
+
 from picollama.gguf.constants import GGML_TYPES, GGMLType
 
 __all__ = [
@@ -367,11 +369,13 @@ class ModelParams:
                 if default is None:
                     raise MixError(f"the file has no {arch}.{key}")
                 return default
-            if not isinstance(value, (int, bool)):
-                try:
+            if not isinstance(value, int) and not isinstance(value, str):
+                try:  # a per-layer array: llama.cpp's loader reads layer 0's value here
                     value = value[0] if len(value) else 0
                 except TypeError:
-                    raise MixError(f"{arch}.{key} is not an integer: {value!r}") from None
+                    pass
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise MixError(f"{arch}.{key} is not an integer: {str(value)[:40]!r}")
             value = int(value)
             if value < 0 or value >= 1 << 31:
                 raise MixError(f"{arch}.{key} = {value} is out of range")
