@@ -39,17 +39,10 @@ _KVALUES = np.array(
 
 @njit(cache=True)
 def _nearest_int(f):
-    """ggml's ``nearest_int``: (f + 1.5 * 2**23) read as int, mantissa minus 2**22."""
-    v = f + _MAGIC  # float32
-    if v >= _F(8388608.0) and v < _F(16777216.0):
-        # one ulp is 1 here: v is the integer 12582912 + round-half-even(f)
-        return int(v) - 12582912
-    if v != v:
-        return 0  # the default NaN's mantissa is 0x400000
-    if v == 0 or math.isinf(v):
-        return -4194304  # mantissa 0
-    m, e = math.frexp(abs(float(v)))
-    return int((m * 2.0 - 1.0) * 8388608.0) - 4194304
+    """ggml's ``nearest_int``, bit for bit: (f + 1.5 * 2**23) read as int32, its mantissa
+    minus 2**22 (round half to even for |f| < 2**22, the C's garbage beyond)."""
+    v = np.float32(f + _MAGIC)
+    return (np.int64(v.view(np.int32)) & 0x007FFFFF) - 0x00400000
 
 
 @njit(cache=True)
