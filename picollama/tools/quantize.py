@@ -132,27 +132,60 @@ def _check_plan(plan: list[TensorChoice], allow_requantize: bool) -> None:
             raise QuantizeError(f"tensor {c.name!r}: cannot write type {c.new_type.name}")
 
 
+class _Source:
+    """Reads tensor bytes from the input with plain reads into one reused buffer.
+
+    Not through the reader's mmap: pages of a map stay in the process's resident set until
+    it is unmapped, so a whole F32 model would count against peak memory; read() leaves them
+    in the page cache only (llama-quantize unmaps each tensor after use for the same reason).
+    """
+
+    def __init__(self, path: str):
+        self.file = open(path, "rb")  # closed by close()
+        self.buf = np.empty(0, dtype=np.uint8)
+
+    def read(self, offset: int, n: int) -> np.ndarray:
+        if self.buf.size < n:
+            self.buf = np.empty(n, dtype=np.uint8)
+        view = memoryview(self.buf)[:n]
+        self.file.seek(offset)
+        got = 0
+        while got < n:
+            k = self.file.readinto(view[got:])
+            if not k:
+                raise QuantizeError(
+                    f"input ended at offset {offset + got}: was it changed while reading?"
+                )
+            got += k
+        return self.buf[:n]
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def _convert(
-    info, choice: TensorChoice, write: Callable[[bytes], None], n_threads: int | None
+    info,
+    choice: TensorChoice,
+    source: _Source,
+    write: Callable[[bytes], None],
+    n_threads: int | None,
 ) -> None:
     """Write tensor ``info`` as ``choice.new_type``, a chunk of rows at a time."""
-    data = info.data
-    if not choice.changes:
-        write(data)
-        return
     ne0 = info.shape[0] if info.shape else 1
     n_rows = info.n_elements // ne0 if ne0 else 0
     src = GGML_TYPES[info.type]
     src_row = ne0 // src.block_size * src.type_size
-    rows = data.reshape(n_rows, src_row)
     step = max(1, _CHUNK_WEIGHTS // max(ne0, 1))
     for start in range(0, n_rows, step):
-        chunk = rows[start : start + step]
-        if info.type == GGMLType.F32:
-            x = chunk.view(np.float32)
+        n = min(step, n_rows - start)
+        chunk = source.read(info.offset + start * src_row, n * src_row).reshape(n, src_row)
+        if not choice.changes:
+            write(chunk)
+        elif info.type == GGMLType.F32:
+            write(quantize_rows(chunk.view(np.float32), choice.new_type, n_threads=n_threads))
         else:
             x = dequantize(chunk, info.type, what=choice.name)
-        write(quantize_rows(x, choice.new_type, n_threads=n_threads))
+            write(quantize_rows(x, choice.new_type, n_threads=n_threads))
 
 
 def quantize_file(
@@ -190,6 +223,7 @@ def quantize_file(
         final = os.path.abspath(path_out)
         directory, base = os.path.split(final)
         fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+        source = _Source(path_in)
         try:
             with os.fdopen(fd, "wb") as out:
                 out.write(head)
@@ -205,7 +239,7 @@ def quantize_file(
                         _out.write(b)
                         written += len(b)
 
-                    _convert(by_name[choice.name], choice, write, n_threads)
+                    _convert(by_name[choice.name], choice, source, write, n_threads)
                     assert written == size, (choice.name, written, size)
                     out.write(b"\0" * (-size % alignment))
                     if bar is not None:
@@ -220,6 +254,8 @@ def quantize_file(
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        finally:
+            source.close()
 
         n_elements = sum(t.n_elements for t in reader.tensors)
         before = sum(t.nbytes for t in reader.tensors)
