@@ -24,18 +24,18 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+import numpy as np
 
-from model_factory import TinySpec, write_tiny_model  # noqa: E402
-
-from picollama.gguf import GGUFReader  # noqa: E402
-from picollama.quant.mixes import SUPPORTED_FTYPES, llama_tensor_order  # noqa: E402
+from picollama.gguf import GGUFReader, GGUFWriter
+from picollama.quant.mixes import SUPPORTED_FTYPES, llama_tensor_order
 
 DATA = Path(__file__).parent / "data" / "quantize"
 
 TYPES = [f.label for f in SUPPORTED_FTYPES]
+
 
 # The synthetic models: llama-shaped, loadable by llama.cpp and picollama.
 # - untied: 8 layers (so use_more_bits and the attn_v counters pick several layers), rows
@@ -43,17 +43,91 @@ TYPES = [f.label for f in SUPPORTED_FTYPES]
 # - tied: token_embd doubles as the output, rows of 96 and 160.
 # - odd: ffn_down rows of 40, which no block of 32 divides: every quantized type falls back
 #   to F16 there.
-MODELS: dict[str, TinySpec] = {
-    "untied": TinySpec(
-        n_layers=8, n_embd=256, n_heads=4, n_kv_heads=1, head_dim=64, n_ff=288, tied=False, seed=11
-    ),
-    "tied": TinySpec(
-        n_layers=2, n_embd=96, n_heads=2, n_kv_heads=2, head_dim=48, n_ff=160, tied=True, seed=12
-    ),
-    "odd": TinySpec(
-        n_layers=1, n_embd=64, n_heads=2, n_kv_heads=1, head_dim=32, n_ff=40, tied=True, seed=13
-    ),
+@dataclass(frozen=True)
+class Spec:
+    n_layers: int
+    n_embd: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_ff: int
+    tied: bool
+    seed: int
+
+
+MODELS: dict[str, Spec] = {
+    "untied": Spec(8, 256, 4, 1, 64, 288, tied=False, seed=11),
+    "tied": Spec(2, 96, 2, 2, 48, 160, tied=True, seed=12),
+    "odd": Spec(1, 64, 2, 1, 32, 40, tied=True, seed=13),
 }
+
+
+def _byte_vocab() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values, then BOS and EOS."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 256))
+    chars, n = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + n))
+            n += 1
+    return chars + ["<s>", "</s>"]
+
+
+def write_model(name: str, path) -> None:
+    """A llama model with random F32 weights and a byte-level BPE vocabulary, written by our
+    GGUF writer: the same bytes on every run (the tests check its sha256)."""
+    s = MODELS[name]
+    rng = np.random.default_rng(s.seed)
+    w = GGUFWriter(path, arch="llama")
+    for key, value in [
+        ("block_count", s.n_layers),
+        ("context_length", 256),
+        ("embedding_length", s.n_embd),
+        ("feed_forward_length", s.n_ff),
+        ("attention.head_count", s.n_heads),
+        ("attention.head_count_kv", s.n_kv_heads),
+        ("attention.key_length", s.head_dim),
+        ("attention.value_length", s.head_dim),
+        ("rope.dimension_count", s.head_dim),
+    ]:
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", _byte_vocab())
+    w.add_array("tokenizer.ggml.token_type", np.array([1] * 256 + [3, 3], dtype=np.int32))
+    w.add_array("tokenizer.ggml.merges", ["\u0120 \u0120"])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 256)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 257)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+
+    d, q, kv = s.n_embd, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    shapes = {"token_embd.weight": (d, 258), "output_norm.weight": (d,)}
+    if not s.tied:
+        shapes["output.weight"] = (d, 258)
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        shapes[p + "attn_norm.weight"] = (d,)
+        shapes[p + "attn_q.weight"] = (d, q)
+        shapes[p + "attn_k.weight"] = (d, kv)
+        shapes[p + "attn_v.weight"] = (d, kv)
+        shapes[p + "attn_output.weight"] = (q, d)
+        shapes[p + "ffn_norm.weight"] = (d,)
+        shapes[p + "ffn_gate.weight"] = (d, s.n_ff)
+        shapes[p + "ffn_up.weight"] = (d, s.n_ff)
+        shapes[p + "ffn_down.weight"] = (s.n_ff, d)
+    for tensor, shape in shapes.items():
+        numpy_shape = shape[::-1]
+        if len(shape) == 1:  # norms near 1
+            data = 1.0 + 0.1 * rng.standard_normal(numpy_shape)
+        else:
+            data = rng.standard_normal(numpy_shape) / np.sqrt(shape[0])
+        w.add_tensor(tensor, data.astype(np.float32))
+    w.write()
+
 
 # (model, case name, llama-quantize arguments before IN OUT TYPE, TYPE, input)
 # input: "f32" is the synthetic file; another case's name is that case's output.
@@ -94,10 +168,6 @@ def sha256(path) -> str:
 def type_table(path) -> list[list[str]]:
     with GGUFReader(path) as r:
         return [[t.name, t.type.name] for t in r.tensors]
-
-
-def write_model(name: str, path) -> None:
-    write_tiny_model(path, MODELS[name])
 
 
 def run_cases(quantize: str, work: Path) -> dict:
