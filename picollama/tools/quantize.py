@@ -217,14 +217,17 @@ def quantize_file(
         order = llama_tensor_order(by_name)
         plan = plan_types([(n, by_name[n].shape, by_name[n].type) for n in order], model, params)
         _check_plan(plan, allow_requantize)
+        # the input's alignment for both offsets and padding (llama-quantize pads with the
+        # default 32 whatever general.alignment says; the two agree on every usual file)
         alignment = reader.alignment
         head, sizes = _header(reader, plan, params.ftype, alignment)
 
         final = os.path.abspath(path_out)
         directory, base = os.path.split(final)
         fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
-        source = _Source(path_in)
+        source = bar = None
         try:
+            source = _Source(path_in)
             with os.fdopen(fd, "wb") as out:
                 out.write(head)
                 bar = _progress(plan, progress)
@@ -244,8 +247,6 @@ def quantize_file(
                     out.write(b"\0" * (-size % alignment))
                     if bar is not None:
                         bar.update(1)
-                if bar is not None:
-                    bar.close()
                 out.flush()
                 os.fsync(out.fileno())
             os.chmod(tmp, 0o644)
@@ -255,7 +256,10 @@ def quantize_file(
                 os.unlink(tmp)
             raise
         finally:
-            source.close()
+            if bar is not None:
+                bar.close()
+            if source is not None:
+                source.close()
 
         n_elements = sum(t.n_elements for t in reader.tensors)
         before = sum(t.nbytes for t in reader.tensors)
