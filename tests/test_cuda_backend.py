@@ -231,6 +231,47 @@ def test_int8_matvec_fusions(be):
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+Q8DOT = sorted(layout.Q8DOT_TYPES)
+
+
+@pytest.mark.parametrize("qtype", Q8DOT, ids=[t.name for t in Q8DOT])
+def test_int8_matvec_wide_x(be, qtype, monkeypatch):
+    """One token of an x at least _MVQ_WIDE_K wide takes matvec_q8_n1_wide, which issues
+    x's loads four rounds at a time: the same codes, sums and rows as matvec_q8_n1, so the
+    same outputs bit for bit, with and without a folded RMS norm; and within the int8
+    bound of the float product. k = 8448: a last round of x that is not full."""
+    from picollama.backends.cuda import backend as cuda_backend
+    from picollama.backends.cuda.backend import _Matvec
+
+    rng = np.random.default_rng(77 + int(qtype))
+    k, m = 33 * 256, 67
+    assert k >= cuda_backend._MVQ_WIDE_K
+    raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
+    W64 = dequantize(raw, qtype).reshape(m, k).astype(np.float64)
+    wt = be.weight("w", qtype, (k, m), raw)
+    x = rng.standard_normal((1, k)) * rng.uniform(0.1, 3.0, size=(1, k // 32)).repeat(32, 1)
+    x = x.astype(np.float32)
+    xd = be.from_host(x)
+    norm_w = be.from_host(rng.uniform(0.5, 1.5, k).astype(np.float32))
+
+    def outputs():
+        plain = be.to_host(be.matmul(xd, wt))
+        out = be._empty((1, m))
+        mv = _Matvec(be, True, wt.data, out, xd, 1)
+        mv.norm_w, mv.eps = norm_w, 1e-5
+        with be._stream:
+            mv.run()
+        return plain, be.to_host(out)
+
+    wide = outputs()
+    monkeypatch.setattr(cuda_backend, "_MVQ_WIDE_K", 1 << 30)
+    narrow = outputs()
+    np.testing.assert_array_equal(wide[0], narrow[0])
+    np.testing.assert_array_equal(wide[1], narrow[1])
+    err = np.abs(wide[0] - x.astype(np.float64) @ W64.T)
+    assert np.all(err <= _int8_bound(x, W64, _weight_magnitude(raw, qtype, m, k)))
+
+
 def test_weight_rejects_bad_rows(be):
     raw = np.zeros((2, GGML_TYPES[GGMLType.Q4_0].type_size), np.uint8)
     with pytest.raises(BackendError, match="multiple of"):

@@ -17,7 +17,9 @@ matrix-vector arithmetic, as the CPU backend's option of that name does:
 - "exact": every type through the float kernel (``quant.cu``): exactly dequantized weights
   times float32 x, as the CPU backend's "exact" arithmetic.
 Attention is flash-attention style (``ops.cu``): no score matrix, an online softmax over
-tiles of 32 keys, split over several blocks for decode.
+tiles of 32 keys. One token with head_dim 64, 128 or 256 and groups of at most 8 query heads
+per KV head takes ``attention_gqa_*``: a block per (KV head, split) does the whole group, so
+K and V are read once, and the valid key range is split from the device-side position.
 
 Decode as a CUDA graph. A forward pass of one token runs the same kernels with the same
 buffers every time; only the token id and the position change. The first such pass is run
@@ -71,13 +73,15 @@ log = logging.getLogger("picollama.cuda")
 MV_MAX_TOKENS = 8  # rows of x that take the fused matrix-vector kernel (quant.cu)
 _MV_WARPS = 8  # warps per block of the matvec kernel (quant.cu)
 _MVQ_WARPS = 8  # warps per block of the int8-activation matvec kernel (mmvq.cu)
+_MVQ_WIDE_K = 8192  # one token, x at least this wide: matvec_q8_n1_wide (mmvq.cu)
 _MV_PAD = 36  # floats of shared memory per chunk of 32 values of x (quant.cu)
 _MV_SMEM_LIMIT = 200 << 10  # bytes of x in shared memory; more rows go through cuBLAS
 WORKSPACE_FLOATS = 1 << 26  # 256 MiB of float32 for the prefill tiles of dequantized weight
 _ATT_MAXD = 256  # head_dim limit of the attention kernel (ops.cu)
 _ATT_SPLIT = 512  # decode: keys per attention block before the range is split further
-_ATT_MAX_SPLITS = 64  # ATD_MAX_SPLITS in ops.cu
+_ATT_MAX_SPLITS = 64
 _ATT_MIN_KEYS = 32  # decode, GQA kernel: cache positions per split at least
+_ATT_SPLIT_KEYS = 4  # decode, GQA kernel: keys per split at least (one per warp)
 _MEM_MARGIN = 64 << 20  # bytes kept free for cuBLAS, the CUDA context and small buffers
 _EW_THREADS = 256  # threads per block of the elementwise kernels
 _MAX_GRAPH_MISSES = 4  # divergent replays before graphs are turned off
@@ -118,14 +122,13 @@ class _DeviceWeight:
 class _Kernels:
     """The kernels of one weight type (matvec_q8* only for ``layout.Q8DOT_TYPES``)."""
 
-    __slots__ = ("matvec", "dequant", "get_rows", "matvec_q8", "matvec_q8_n1")
+    __slots__ = ("matvec", "dequant", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide")
 
-    def __init__(self, matvec, dequant, get_rows, matvec_q8=None, matvec_q8_n1=None):
+    def __init__(self, matvec, dequant, get_rows):
         self.matvec = matvec
         self.dequant = dequant
         self.get_rows = get_rows
-        self.matvec_q8 = matvec_q8
-        self.matvec_q8_n1 = matvec_q8_n1
+        self.matvec_q8 = self.matvec_q8_n1 = self.matvec_q8_wide = None
 
 
 class _Launch:
@@ -368,8 +371,14 @@ class CUDABackend(Backend):
                     if qtype in layout.Q8DOT_TYPES:
                         kernels.matvec_q8 = mod.get_function("matvec_q8")
                         kernels.matvec_q8_n1 = mod.get_function("matvec_q8_n1")
+                        kernels.matvec_q8_wide = mod.get_function("matvec_q8_n1_wide")
                     # x is staged in dynamic shared memory: allow more than 48 KiB
-                    for kernel in (kernels.matvec, kernels.matvec_q8, kernels.matvec_q8_n1):
+                    for kernel in (
+                        kernels.matvec,
+                        kernels.matvec_q8,
+                        kernels.matvec_q8_n1,
+                        kernels.matvec_q8_wide,
+                    ):
                         if kernel is not None:
                             kernel.max_dynamic_shared_size_bytes = self._mv_smem_limit()
             except cp.cuda.compiler.CompileException as err:
@@ -1067,7 +1076,10 @@ class CUDABackend(Backend):
         norm = mv.norm_w is not None
         has_resid = mv.resid is not None
         if mv.q8:
-            kernel = kernels.matvec_q8_n1 if n == 1 else kernels.matvec_q8
+            if n > 1:
+                kernel = kernels.matvec_q8
+            else:
+                kernel = kernels.matvec_q8_wide if k >= _MVQ_WIDE_K else kernels.matvec_q8_n1
             smem = _q8_smem(n, k)
             args = []
             for i in range(3):
@@ -1370,6 +1382,7 @@ class CUDABackend(Backend):
                 np.float32(scale),
                 np.int32(window),
                 np.float32(softcap),
+                np.int32(_ATT_SPLIT_KEYS),
                 out,
                 part,
                 counter,

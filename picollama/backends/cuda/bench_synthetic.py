@@ -185,7 +185,11 @@ def _run_one(
     for name, fn, n in (("pp", _run_pp, n_prompt), ("tg", _run_tg, n_gen)):
         fn(ctx, min(n, 16), rng)  # warm-up: compiles kernels, records the decode graph
         runs = [fn(ctx, n, rng) for _ in range(reps)]
-        result[f"{name}{n}"] = (float(np.mean(runs)), float(np.std(runs)))
+        result[f"{name}{n}"] = (
+            float(np.mean(runs)),
+            float(np.std(runs)),
+            float(np.median(runs)),
+        )
     result["graph_stats"] = dict(backend.graph_stats)
     if profile and graphs:
         result["profile"] = profile_step(backend)
@@ -218,6 +222,7 @@ def profile_step(backend, reps: int = 5) -> list[tuple[str, int, float]]:
     trace = next(t for t in backend._traces.values() if t.graph is not None)
     launches = backend._fuse(trace) if backend.fuse else trace.launches
     names = {id(getattr(backend, a)): a[3:] for a in dir(backend) if a.startswith("_k_")}
+    names.update({id(k): f"attention_gqa_{d}_{g}" for (d, g), k in backend._k_att_gqa.items()})
 
     def name(launch) -> str:
         if not isinstance(launch, _Matvec):
@@ -249,22 +254,26 @@ def profile_step(backend, reps: int = 5) -> list[tuple[str, int, float]]:
 
 def kernel_bench(reps: int = 64, shapes=KERNEL_SHAPES) -> list[tuple[str, float, float]]:
     """(name, microseconds, GB/s of weight bytes) of single-token matvecs of 8B shapes, with
-    int8 activations ("ggml") and float activations ("exact"), and the fused gate+up+SiLU.
+    int8 activations ("ggml"; "ggml-wide": every one through matvec_q8_n1_wide) and float
+    activations ("exact"), and the fused gate+up+SiLU.
     Each is launched ``reps`` times back to back from a CUDA graph, as in a decode step,
     cycling through copies of the weight so that they are read from HBM, not from L2."""
     import cupy as cp
 
+    from picollama.backends.cuda import backend as cuda_backend
     from picollama.backends.cuda import layout
     from picollama.backends.cuda.backend import CUDABackend, _Matvec
     from picollama.gguf.constants import GGMLType
 
     rng = np.random.default_rng(0)
     out = []
-    for arithmetic in ("ggml", "exact"):
-        be = CUDABackend(graphs=False, arithmetic=arithmetic)
+    wide_k = cuda_backend._MVQ_WIDE_K
+    for arithmetic in ("ggml", "ggml-wide", "exact"):
+        cuda_backend._MVQ_WIDE_K = 1 if arithmetic == "ggml-wide" else wide_k
+        be = CUDABackend(graphs=False, arithmetic=arithmetic.split("-")[0])
         for qtype_name, k, m, gated in shapes:
             qtype = GGMLType[qtype_name]
-            q8 = arithmetic == "ggml" and qtype in layout.Q8DOT_TYPES
+            q8 = arithmetic != "exact" and qtype in layout.Q8DOT_TYPES
             if gated and not q8:
                 continue
             raws = [_random_tensor(rng, qtype_name, k, m)[0] for _ in range(2 if gated else 1)]
@@ -298,6 +307,7 @@ def kernel_bench(reps: int = 64, shapes=KERNEL_SHAPES) -> list[tuple[str, float,
             name = f"{qtype_name} {m}x{k}{' gate+up+silu' if gated else ''} {arithmetic}"
             out.append((name, us, nbytes / (us * 1e-6) / 1e9))
             del mvs, graph
+    cuda_backend._MVQ_WIDE_K = wide_k
     return out
 
 
@@ -332,20 +342,22 @@ def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
                 comb = (part, res, np.int32(n_heads), np.int32(hd), np.int32(splits))
                 launches.append(_Launch(be._k_comb, (n_heads, 1), (128,), comb))
             out.append((f"attention pos {pos} splits {splits}", _graph_us(be, launches, reps)))
-        for splits in (1, 8, 16, 32):
-            # the GQA kernel: a block per (KV head, split), splits of the valid range
+        for splits, min_keys in ((1, 1), (16, 1), (16, 8), (16, 16), (16, 32), (32, 8)):
+            # the GQA kernel: a block per (KV head, split), splits of the valid range of at
+            # least min_keys keys
             res = be._empty((1, n_heads * hd))
             part = be._empty((n_kv * splits * (n_heads // n_kv) * (hd + 2),))
             counter = cp.zeros((n_kv,), dtype=cp.int32)
             start = be._upload_i32([pos])
             args = (
                 q, cache.k[0], cache.v[0], start, np.int32(n_heads), np.int32(n_kv),
-                np.float32(hd**-0.5), np.int32(0), np.float32(0.0), res, part, counter,
+                np.float32(hd**-0.5), np.int32(0), np.float32(0.0), np.int32(min_keys), res,
+                part, counter,
             )  # fmt: skip
             kernel = be._gqa_kernel(n_heads, cache)
             launches = [_Launch(kernel, (n_kv, splits), (128,), args)]
             us = _graph_us(be, launches, reps)
-            out.append((f"attention_gqa pos {pos} splits {splits}", us))
+            out.append((f"attention_gqa pos {pos} splits {splits} min_keys {min_keys}", us))
     return out
 
 
@@ -443,14 +455,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(
-        f"| model | file | pp{args.n_prompt} t/s | tg{args.n_gen} t/s | "
-        "ceiling t/s | tg / ceiling |"
+        f"| model | file | pp{args.n_prompt} t/s | tg{args.n_gen} t/s | tg median | "
+        "ceiling t/s | tg median / ceiling |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for spec, size, pp, tg, _bw, ceiling, _ in rows:
         print(
             f"| {spec} | {size / 2**20:.0f} MiB | {pp[0]:.0f} ± {pp[1]:.0f} | "
-            f"{tg[0]:.1f} ± {tg[1]:.1f} | {ceiling:.0f} | {tg[0] / ceiling:.0%} |"
+            f"{tg[0]:.1f} ± {tg[1]:.1f} | {tg[2]:.1f} | {ceiling:.0f} | {tg[2] / ceiling:.1%} |"
         )
     if rows:
         dev = rows[0][6]["device"]

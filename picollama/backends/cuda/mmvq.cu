@@ -304,7 +304,7 @@ __device__ __forceinline__ RowRef locate(int row, int bpr, const u8* w0, i64 nb0
 // act (1: SiLU, 2: GELU), w0 and w1 are a gate and an up weight of m0 rows and
 // y0[t, r] = act(W0[r] . x[t]) * (W1[r] . x[t]), as silu_mul / gelu_mul compute it.
 // Dynamic shared memory: n * k * 11 / 8 bytes (codes, scales, half sums).
-template <int NT>
+template <int NT, int XB>
 __device__ __forceinline__ void mvq_body(
     const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
     int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
@@ -337,6 +337,7 @@ __device__ __forceinline__ void mvq_body(
         for (int t = 0; t < n; t++) {
             const float4* xt = (const float4*)(x + (i64)t * k);
             double acc = 0.0;
+#pragma unroll 4
             for (int j = threadIdx.x; j < k / 4; j += MVQ_WARPS * 32) {
                 float4 v = __ldg(xt + j);
                 acc += (double)v.x * v.x + (double)v.y * v.y;
@@ -359,43 +360,57 @@ __device__ __forceinline__ void mvq_body(
     }
     // Each thread takes 4 consecutive values, 8 lanes a run of 32: its scale, codes and half
     // sums. Every lane of the block goes through the same number of rounds (the shuffles
-    // need whole warps); lanes past the end compute on zeros and store nothing.
+    // need whole warps); lanes past the end compute on zeros and store nothing. The loads
+    // of XB rounds are issued before the first is used (wide x: one latency, not XB).
     int n4 = n * k / 4;
-    for (int base = 0; base < n4; base += MVQ_WARPS * 32) {
-        int i4 = base + threadIdx.x;
-        bool in = i4 < n4;
-        int t = in ? (4 * i4) / k : 0;
-        int j = 4 * i4 - t * k;
-        float4 v = in ? __ldg((const float4*)(x + (i64)t * k + j)) : make_float4(0.f, 0.f, 0.f, 0.f);
-        if (norm && in) {
-            float s = s_scale[t];
-            float4 g = __ldg((const float4*)(norm_w + j));
-            v.x = __fmul_rn(__fmul_rn(v.x, s), g.x);
-            v.y = __fmul_rn(__fmul_rn(v.y, s), g.y);
-            v.z = __fmul_rn(__fmul_rn(v.z, s), g.z);
-            v.w = __fmul_rn(__fmul_rn(v.w, s), g.w);
-        }
-        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    for (int base0 = 0; base0 < n4; base0 += XB * MVQ_WARPS * 32) {
+        float4 xv[XB], gv[XB];
 #pragma unroll
-        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        float d = amax / 127.0f;
-        int q[4];
-        float vv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            q[e] = amax == 0.0f ? 0 : __float2int_rn(vv[e] / d);
-            q[e] = max(-127, min(127, q[e]));
+        for (int r = 0; r < XB; r++) {
+            int i4 = base0 + r * MVQ_WARPS * 32 + threadIdx.x;
+            bool in = i4 < n4;
+            int t = in ? (4 * i4) / k : 0;
+            int j = 4 * i4 - t * k;
+            xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
+            if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
         }
-        int hs = q[0] + q[1] + q[2] + q[3];
-        hs += __shfl_xor_sync(0xffffffffu, hs, 1);
-        hs += __shfl_xor_sync(0xffffffffu, hs, 2);
-        if (in) {
-            int run = i4 >> 3, sub = i4 & 7;  // run index = t * nb32 + j / 32
-            u32 packed = (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) |
-                         ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
-            *(u32*)(sq + 4 * i4) = packed;
-            if ((sub & 3) == 0) ss[2 * run + (sub >> 2)] = hs;
-            if (sub == 0) sd[run] = d;
+#pragma unroll
+        for (int r = 0; r < XB; r++) {
+            int i4 = base0 + r * MVQ_WARPS * 32 + threadIdx.x;
+            bool in = i4 < n4;
+            int t = in ? (4 * i4) / k : 0;
+            float4 v = xv[r];
+            if (norm && in) {
+                float s = s_scale[t];
+                float4 g = gv[r];
+                v.x = __fmul_rn(__fmul_rn(v.x, s), g.x);
+                v.y = __fmul_rn(__fmul_rn(v.y, s), g.y);
+                v.z = __fmul_rn(__fmul_rn(v.z, s), g.z);
+                v.w = __fmul_rn(__fmul_rn(v.w, s), g.w);
+            }
+            float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            float d = amax / 127.0f;
+            int q[4];
+            float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                q[e] = amax == 0.0f ? 0 : __float2int_rn(vv[e] / d);
+                q[e] = max(-127, min(127, q[e]));
+            }
+            int hs = q[0] + q[1] + q[2] + q[3];
+            hs += __shfl_xor_sync(0xffffffffu, hs, 1);
+            hs += __shfl_xor_sync(0xffffffffu, hs, 2);
+            if (in) {
+                int run = i4 >> 3, sub = i4 & 7;  // run index = t * nb32 + j / 32
+                u32 packed = (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) |
+                             ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
+                *(u32*)(sq + 4 * i4) = packed;
+                if ((sub & 3) == 0) ss[2 * run + (sub >> 2)] = hs;
+                if (sub == 0) sd[run] = d;
+            }
         }
     }
     __syncthreads();
@@ -458,9 +473,15 @@ __device__ __forceinline__ void mvq_body(
 
 // n <= MV_MAX_TOKENS rows of x (short batches), and the decode case n = 1 (fewer registers)
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8(MVQ_PARAMS) {
-    mvq_body<MV_MAX_TOKENS>(MVQ_ARGS);
+    mvq_body<MV_MAX_TOKENS, 1>(MVQ_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, 2) matvec_q8_n1(MVQ_PARAMS) {
-    mvq_body<1>(MVQ_ARGS);
+    mvq_body<1, 1>(MVQ_ARGS);
+}
+
+// one token of a wide x (the feed-forward's down matrix): x's loads four rounds at a time, in
+// a kernel of its own so that the registers this takes don't weigh on the others
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, 2) matvec_q8_n1_wide(MVQ_PARAMS) {
+    mvq_body<1, 4>(MVQ_ARGS);
 }

@@ -364,14 +364,14 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 // group. Lanes run across head_dim (lane holds dims DPL * lane .. DPL * lane + DPL - 1, so a
 // row is one coalesced load of 2 * HD bytes); the block's 4 warps take keys in turn, two at a
 // time so that four rows are in flight per warp. The valid range [lo, pos] (pos read from the
-// device: a captured graph replays at any position) is cut into gridDim.y equal parts, so
-// every split has work at every position once pos + 1 >= splits. With one split the block
+// device: a captured graph replays at any position) is cut into equal parts of at least
+// min_keys keys, at most gridDim.y of them (the blocks of unused splits return at once).
+// With one split the block
 // writes the normalized output; with several each block writes (max, sum, unnormalized
 // output) per head to `part`, and the last block of its KV head to finish (a counter per KV
 // head, which that block resets to 0) merges them into out: no second launch.
 
 #define ATD_WARPS 4
-#define ATD_MAX_SPLITS 64  // backend._ATT_MAX_SPLITS
 
 template <int DPL>
 __device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* f) {
@@ -427,19 +427,21 @@ template <int DPL, int GB>
 __device__ __forceinline__ void attention_gqa_body(
     const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
     const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, float scale, int window,
-    float softcap, float* __restrict__ out, float* __restrict__ part,
+    float softcap, int min_keys, float* __restrict__ out, float* __restrict__ part,
     int* __restrict__ counter) {
     constexpr int HD = 32 * DPL;
     __shared__ float sm[ATD_WARPS][GB], sl[ATD_WARPS][GB];
     __shared__ float sacc[ATD_WARPS][GB][HD];
-    __shared__ float sw[GB][ATD_MAX_SPLITS];
     __shared__ int s_last;
-    const int kvh = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
+    const int kvh = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
     const int pos = *start_ptr;
     const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
     const int len = pos + 1 - lo;
+    // only as many splits as the range needs (min_keys each): short ranges skip the merge
+    const int n_splits = max(1, min((int)gridDim.y, len / min_keys));
+    if (split >= n_splits) return;
     const int s0 = lo + (int)((i64)len * split / n_splits);
     const int s1 = lo + (int)((i64)len * (split + 1) / n_splits);
 
@@ -514,44 +516,40 @@ __device__ __forceinline__ void attention_gqa_body(
     __syncthreads();
     if (!s_last) return;
     __threadfence();
+    // one pass: each thread loads (max, sum, its output value) of 8 splits at a time
     const i64 sstride = (i64)G * (HD + 2);
-    for (int g = warp; g < G; g += ATD_WARPS) {
-        const float* pg = part + ((i64)kvh * n_splits * G + g) * (HD + 2);
-        float ms[2], ls[2];
-        float mx = NEG_INF;
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int s = lane + 32 * r;
-            ms[r] = NEG_INF;
-            ls[r] = 0.f;
-            if (s < n_splits) {
-                ms[r] = __ldcg(pg + s * sstride);
-                ls[r] = __ldcg(pg + s * sstride + 1);
-            }
-            if (ls[r] > 0.f) mx = fmaxf(mx, ms[r]);
-        }
-        mx = warp_max(mx);
-        float wr[2], total = 0.f;
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            wr[r] = ls[r] > 0.f ? expf(ms[r] - mx) : 0.f;
-            total = fmaf(ls[r], wr[r], total);
-        }
-        total = warp_sum(total);
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int s = lane + 32 * r;
-            if (s < n_splits) sw[g][s] = wr[r] / total;
-        }
-    }
-    __syncthreads();
     for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
         const int g = e / HD, d = e % HD;
-        const float* pg = part + ((i64)kvh * n_splits * G + g) * (HD + 2) + 2 + d;
-        float o = 0.f;
-#pragma unroll 8
-        for (int s = 0; s < n_splits; s++) o = fmaf(sw[g][s], __ldcg(pg + s * sstride), o);
-        out[(i64)(kvh * G + g) * HD + d] = o;
+        const float* pg = part + ((i64)kvh * n_splits * G + g) * (HD + 2);
+        float mx = NEG_INF, total = 0.f, o = 0.f;
+        for (int sb = 0; sb < n_splits; sb += 8) {
+            float ms[8], ls[8], os[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                const float* ps = pg + min(sb + u, n_splits - 1) * sstride;
+                ms[u] = __ldcg(ps);
+                ls[u] = __ldcg(ps + 1);
+                os[u] = __ldcg(ps + 2 + d);
+            }
+            float mx_new = mx;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                if (sb + u < n_splits) mx_new = fmaxf(mx_new, ms[u]);  // finite: keys >= 1
+            }
+            const float corr = expf(mx - mx_new);
+            total *= corr;
+            o *= corr;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                if (sb + u < n_splits) {
+                    const float w = expf(ms[u] - mx_new);
+                    total = fmaf(ls[u], w, total);
+                    o = fmaf(os[u], w, o);
+                }
+            }
+            mx = mx_new;
+        }
+        out[(i64)(kvh * G + g) * HD + d] = o / total;
     }
     if (threadIdx.x == 0) counter[kvh] = 0;  // ready for the next launch (graph replays)
 }
@@ -559,10 +557,11 @@ __device__ __forceinline__ void attention_gqa_body(
 #define ATD_PARAMS                                                                         \
     const float *__restrict__ q, const u16 *__restrict__ kc, const u16 *__restrict__ vc,     \
         const int *__restrict__ start_ptr, int n_heads, int n_kv_heads, float scale,        \
-        int window, float softcap, float *__restrict__ out, float *__restrict__ part,        \
-        int *__restrict__ counter
-#define ATD_ARGS \
-    q, kc, vc, start_ptr, n_heads, n_kv_heads, scale, window, softcap, out, part, counter
+        int window, float softcap, int min_keys, float *__restrict__ out,                   \
+        float *__restrict__ part, int *__restrict__ counter
+#define ATD_ARGS                                                                           \
+    q, kc, vc, start_ptr, n_heads, n_kv_heads, scale, window, softcap, min_keys, out, part, \
+        counter
 // attention_gqa_<DPL>_<GB>: head_dim 32 * DPL (64, 128, 256), groups of at most GB heads
 #define ATD_KERNEL(DPL, GB)                                                                \
     extern "C" __global__ void __launch_bounds__(ATD_WARPS * 32)                           \
