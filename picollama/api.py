@@ -18,8 +18,9 @@ from collections.abc import Iterator, Sequence
 from picollama.generation import Context
 from picollama.sampling.samplers import DEFAULT_SEED, Sampler, SamplingParams
 from picollama.sampling.stop import StopStrings
+from picollama.speculative import LookupDrafter
 
-__all__ = ["Llama"]
+__all__ = ["Llama", "LlamaPromptLookupDecoding"]
 
 
 class Llama:
@@ -37,14 +38,33 @@ class Llama:
         seed: int = DEFAULT_SEED,
         chat_template: str | None = None,
         verbose: bool = False,
+        draft_model=None,
+        lookup_ngram: int = 0,
+        spec_draft_n_max: int = 3,
+        spec_draft_n_min: int = 0,
+        spec_draft_p_min: float = 0.0,
     ):
         """``device`` picks the device of the cuda backend (a GPU index) or the opencl one (an
-        index, ``"platform:device"`` or a name); None: the backend's default."""
+        index, ``"platform:device"`` or a name); None: the backend's default.
+
+        Speculative decoding (``picollama.speculative``): ``draft_model`` is a draft GGUF
+        (path or built-in name) with the target's vocabulary, or a drafter such as
+        ``LlamaPromptLookupDecoding(num_pred_tokens=10)``; ``lookup_ngram=N`` drafts by prompt
+        lookup instead. ``spec_draft_n_max`` tokens are drafted per round (``n_min``,
+        ``p_min`` as llama.cpp's). ``spec_stats`` has the counts of the last generation."""
         if device is not None:
             backend = _backend_on_device(backend, device, n_threads)
         self.ctx = Context(
             model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, backend=backend
         )
+        self._draft_engine = None
+        try:
+            self.ctx.speculator = self._speculator(
+                draft_model, lookup_ngram, spec_draft_n_max, spec_draft_n_min, spec_draft_p_min
+            )
+        except BaseException:
+            self.close()
+            raise
         self.model_path = str(self.ctx.path)
         self.seed = seed
         self.verbose = verbose
@@ -325,14 +345,57 @@ class Llama:
             },
         }
 
+    def _speculator(self, draft_model, lookup_ngram, n_max, n_min, p_min):
+        from picollama import speculative as spec
+
+        params = spec.SpecParams(n_max=n_max, n_min=n_min, p_min=p_min)
+        if draft_model is not None and lookup_ngram:
+            raise spec.SpeculativeError("use a draft model or prompt lookup, not both")
+        if isinstance(draft_model, spec.LookupDrafter):
+            if isinstance(draft_model, LlamaPromptLookupDecoding):
+                params.n_max = draft_model.num_pred_tokens
+            return spec.Speculator(draft_model, params)
+        if isinstance(draft_model, spec.Drafter):
+            return spec.Speculator(draft_model, params)
+        if draft_model is not None:
+            from picollama.generation import Engine
+
+            target = self.ctx.engine
+            self._draft_engine = Engine(draft_model, n_batch=target.n_batch, backend=target.backend)
+            spec.check_vocab_match(target, self._draft_engine)
+            draft_ctx = Context(self._draft_engine, n_ctx=self.ctx.n_ctx)
+            return spec.Speculator(spec.ModelDrafter(draft_ctx, params), params)
+        if lookup_ngram:
+            return spec.Speculator(spec.LookupDrafter(lookup_ngram), params)
+        return None
+
+    @property
+    def spec_stats(self):
+        """The speculative counts of the last generation (None without speculation)."""
+        sp = self.ctx.speculator
+        return None if sp is None else sp.stats
+
     def close(self) -> None:
         self.ctx.close()
+        if self._draft_engine is not None:
+            self._draft_engine.close()
+            self._draft_engine = None
 
     def __enter__(self) -> Llama:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class LlamaPromptLookupDecoding(LookupDrafter):
+    """llama-cpp-python's prompt-lookup drafter, for ``Llama(draft_model=...)``: the last
+    ``max_ngram_size`` tokens (or fewer) are looked up in the prompt and output, and up to
+    ``num_pred_tokens`` of what followed are drafted."""
+
+    def __init__(self, max_ngram_size: int = 2, num_pred_tokens: int = 10):
+        super().__init__(max_ngram_size)
+        self.num_pred_tokens = int(num_pred_tokens)
 
 
 def _backend_on_device(name: str, device: int | str, n_threads: int | None):

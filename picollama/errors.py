@@ -12,6 +12,7 @@ from picollama.gguf import GGUFError
 from picollama.models.base import ModelLoadError
 from picollama.models.registry import ModelFetchError, ModelNotFoundError
 from picollama.quant import UnsupportedTypeError
+from picollama.speculative import SpeculativeError
 from picollama.tokenizer import TemplateError, TokenizerError
 
 __all__ = ["USER_ERRORS"]
@@ -24,6 +25,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     UnsupportedTypeError,
     BackendError,
     ContextOverflowError,
+    SpeculativeError,
     TokenizerError,
     TemplateError,
     OSError,

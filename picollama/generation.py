@@ -142,6 +142,8 @@ class Context:
         self.tokens: list[int] = []  # what the KV cache holds, position by position
         self.finish_reason: str | None = None
         self.timings = Timings(load_ms=e.load_ms)
+        # a ``speculative.Speculator``: generate() drafts ahead and verifies in batches
+        self.speculator = None
 
     def close(self) -> None:
         """Release the engine (only when this context loaded it itself)."""
@@ -227,6 +229,9 @@ class Context:
         if max_tokens is not None and max_tokens > 0 and len(prompt) + max_tokens > self.n_ctx:
             raise ContextOverflowError(len(prompt), self.n_ctx, max_tokens)
         stop = set(stop_tokens) if stop_tokens is not None else None
+        if self.speculator is not None:
+            yield from self.speculator.generate(self, prompt, sampler, max_tokens, stop, ignore_eos)
+            return
         self.finish_reason = "length"
         t0 = time.perf_counter()
         n_cached = len(self.tokens)

@@ -48,6 +48,7 @@ class TinySpec:
     seed: int = 0
     overrides: dict = field(default_factory=dict)  # tensor name -> (shape, type) to corrupt
     declared_layers: int | None = None  # block_count to write, if not n_layers
+    specials: tuple[str, str] = ("<s>", "</s>")  # the two tokens after the 256 bytes
 
     @property
     def n_vocab(self) -> int:
@@ -105,7 +106,7 @@ def write_tiny_model(path, spec: TinySpec) -> dict[str, np.ndarray]:
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", spec.eps)
     if spec.sliding_window:
         w.add_uint32(f"{a}.attention.sliding_window", spec.sliding_window)
-    tokens = byte_vocab() + ["<s>", "</s>"]
+    tokens = byte_vocab() + list(spec.specials)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "default")
     w.add_array("tokenizer.ggml.tokens", tokens)

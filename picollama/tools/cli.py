@@ -186,7 +186,92 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose-timings", action="store_true", help="print timings after each turn")
     _add_sampling_args(p)
     _add_grammar_args(p)
+    _add_speculative_args(p)
     return p
+
+
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument(
+        "-md",
+        "--model-draft",
+        "--spec-draft-model",
+        dest="model_draft",
+        default=None,
+        help="draft model (GGUF file or built-in name) with the target's vocabulary",
+    )
+    g.add_argument(
+        "--lookup-ngram",
+        type=int,
+        default=0,
+        metavar="N",
+        help="draft by prompt lookup: continue the latest earlier match of the last N "
+        "tokens (or fewer) in the prompt and output (no draft model)",
+    )
+    g.add_argument(
+        "--spec-type",
+        choices=("none", "draft-simple", "ngram-simple"),
+        default=None,
+        help="llama.cpp's name: draft-simple needs -md; ngram-simple is prompt lookup",
+    )
+    g.add_argument(
+        "--spec-ngram-simple-size-n",
+        type=int,
+        default=12,
+        metavar="N",
+        help="longest n-gram that --spec-type ngram-simple looks up (default: 12)",
+    )
+    g.add_argument(
+        "--spec-draft-n-max",
+        "--draft-max",
+        "--draft-n",
+        "--draft",
+        dest="draft_max",
+        type=int,
+        default=3,
+        metavar="N",
+        help="tokens to draft per round (default: 3)",
+    )
+    g.add_argument(
+        "--spec-draft-n-min",
+        "--draft-min",
+        dest="draft_min",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a shorter draft is not used (default: 0)",
+    )
+    g.add_argument(
+        "--spec-draft-p-min",
+        "--draft-p-min",
+        dest="draft_p_min",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="the draft model stops when its best token is less likely than P (default: 0)",
+    )
+
+
+def _speculative_kwargs(args: argparse.Namespace) -> dict:
+    """Llama(...) keyword arguments for the speculative flags."""
+    lookup = args.lookup_ngram
+    if args.spec_type == "ngram-simple" and not lookup:
+        lookup = args.spec_ngram_simple_size_n
+    if args.spec_type == "draft-simple" and args.model_draft is None:
+        raise _SpecArgError("--spec-type draft-simple needs a draft model (-md FILE)")
+    if args.spec_type == "none":
+        return {}
+    return {
+        "draft_model": args.model_draft,
+        "lookup_ngram": lookup,
+        "spec_draft_n_max": args.draft_max,
+        "spec_draft_n_min": args.draft_min,
+        "spec_draft_p_min": args.draft_p_min,
+    }
+
+
+class _SpecArgError(ValueError):
+    pass
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -327,6 +412,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"picollama-cli: error: {err}", file=sys.stderr)
         return 1
 
+    try:
+        spec_kwargs = _speculative_kwargs(args)
+    except _SpecArgError as err:
+        print(f"picollama-cli: error: {err}", file=sys.stderr)
+        return 1
+
     from picollama.api import Llama
     from picollama.errors import USER_ERRORS
     from picollama.sampling.grammar import GrammarError, TokenVocab
@@ -342,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             seed=args.seed,
             chat_template=args.chat_template,
+            **spec_kwargs,
         )
         constraint = None
         if grammar is not None:
@@ -360,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             signal.signal(signal.SIGINT, previous)
         _timings(llm, t_start)
+        if llm.spec_stats is not None:
+            print("\nspeculative decoding:\n" + llm.spec_stats.report(), file=sys.stderr)
         return 0
     except USER_ERRORS as err:
         print(f"picollama-cli: error: {err}", file=sys.stderr)

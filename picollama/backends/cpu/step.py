@@ -544,7 +544,9 @@ class StepCompiler:
 
     def forward_step(self, model, segments: list) -> list[np.ndarray]:
         seg = segments[0] if len(segments) == 1 else None
-        if seg is None or len(seg.tokens) != 1 or seg.logit_rows is not None:
+        if seg is None or len(seg.tokens) != 1:
+            return model.forward_batch(segments)
+        if seg.logit_rows is not None and np.asarray(seg.logit_rows).reshape(-1).tolist() != [0]:
             return model.forward_batch(segments)
         blocks = _cache_blocks(seg.cache)
         if blocks is None:
