@@ -38,7 +38,7 @@ def _llama_cpp(bin_dir, args, prompt_text) -> str:
     cmd += ["-n", str(args.n_predict), "--temp", "0", "-t", str(args.threads), "-c", "4096"]
     cmd += ["--spec-draft-n-max", str(args.draft_max)]
     if args.model_draft:
-        cmd += ["-md", args.model_draft]
+        cmd += ["--spec-type", "draft-simple", "-md", args.model_draft]
     else:
         cmd += ["--spec-type", "ngram-simple"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
