@@ -9,6 +9,7 @@ from __future__ import annotations
 from picollama.backends.base import BackendError
 from picollama.generation import ContextOverflowError
 from picollama.gguf import GGUFError
+from picollama.lora import LoraError
 from picollama.models.base import ModelLoadError
 from picollama.models.registry import ModelFetchError, ModelNotFoundError
 from picollama.quant import UnsupportedTypeError
@@ -26,6 +27,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     BackendError,
     ContextOverflowError,
     SpeculativeError,
+    LoraError,
     TokenizerError,
     TemplateError,
     OSError,

@@ -139,6 +139,12 @@ class Backend(ABC):
         gate, up = self.matmul_many(x, (w_gate, w_up))
         return self.silu_mul(gate, up) if act == "silu" else self.gelu_mul(gate, up)
 
+    def lora_add(self, y: Array, x: Array, a: Weight, b: Weight, s: float) -> Array:
+        """``y + s * (x @ A.T) @ B.T``: a LoRA adapter's term on the projection ``y`` of ``x``
+        (``a``: r rows of k inputs, ``b``: m rows of r). ``y`` is not written (optional,
+        default: two matmuls, a scale and an add)."""
+        return self.add(y, self.scale(self.matmul(self.matmul(x, a), b), s))
+
     @abstractmethod
     def get_rows(self, w: Weight, ids: np.ndarray) -> Array:
         """Rows ``ids`` of an embedding table, dequantized: (len(ids), k)."""

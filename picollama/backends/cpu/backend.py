@@ -8,7 +8,7 @@ import numba
 import numpy as np
 
 from picollama.backends.base import Backend, BackendError, KVCache, Weight
-from picollama.backends.cpu import ggml_math, kernels, ops, qdot, step
+from picollama.backends.cpu import ggml_math, kernels, lora_kernels, ops, qdot, step
 from picollama.gguf.constants import GGMLType, row_nbytes
 
 __all__ = ["CPUBackend"]
@@ -111,6 +111,13 @@ class CPUBackend(Backend):
             fused = ggml_math.silu_mul if act == "silu" else ggml_math.gelu_mul
             return fused(gate, up)
         return ops.silu_mul(gate, up) if act == "silu" else ops.gelu_mul(gate, up)
+
+    def lora_add(self, y, x, a: Weight, b: Weight, s: float) -> np.ndarray:
+        # F32/F16 adapters (llama.cpp's converter writes those) in one fused pass, which the
+        # compiled decode step calls too; other types as two matmuls
+        if a.type in lora_kernels.LORA_TYPES and b.type in lora_kernels.LORA_TYPES:
+            return lora_kernels.lora_add(y, x, a.data, a.type, b.data, b.type, s)
+        return super().lora_add(y, x, a, b, s)
 
     def get_rows(self, w: Weight, ids: np.ndarray) -> np.ndarray:
         return kernels.get_rows(w.data, np.asarray(ids, dtype=np.int64), w.type, w.k)

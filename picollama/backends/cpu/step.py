@@ -29,6 +29,7 @@ from numba.typed import List
 from picollama.backends.base import BackendError
 from picollama.backends.cpu import attention as _attn
 from picollama.backends.cpu import ggml_math, kernels, ops
+from picollama.backends.cpu.lora_kernels import LORA_TYPES, lora_rows
 from picollama.backends.cpu.qdot import simd_quantize, simd_rows
 from picollama.backends.cpu.qdot_act import f32_to_f16_bits
 from picollama.backends.cpu.simd import SIMD_TYPES
@@ -39,6 +40,7 @@ __all__ = ["StepCompiler"]
 # opcodes of a program row: [op, a0, a1, ...] in ``code``, float arguments in ``fargs``
 _OP_SCALE, _OP_ADD, _OP_MUL, _OP_RMS_NORM, _OP_MATMUL, _OP_GATED = 1, 2, 3, 4, 5, 6
 _OP_ROPE, _OP_STORE_KV, _OP_ATTENTION, _OP_SILU_MUL, _OP_GELU_MUL = 7, 8, 9, 10, 11
+_OP_LORA = 12  # a LoRA adapter's term on a projection (``lora_kernels``)
 _N_INT_ARGS = 13
 
 _Q4_0 = int(GGMLType.Q4_0)
@@ -48,6 +50,7 @@ _Q5_1 = int(GGMLType.Q5_1)
 _Q8_0 = int(GGMLType.Q8_0)
 _Q4_K = int(GGMLType.Q4_K)
 _Q6_K = int(GGMLType.Q6_K)
+_F16 = int(GGMLType.F16)
 assert {_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q6_K} == {int(t) for t in SIMD_TYPES}
 
 
@@ -219,6 +222,15 @@ def _run(code, fargs, ws, wtypes, consts, arena, k_cache, v_cache, pos, n_tasks,
                 _attn._parallel(q, kc, vc, pos, scale, c[6], softcap, out, True)
             else:
                 _attn._serial(q, kc, vc, pos, scale, c[6], softcap, out, True)
+        elif op == _OP_LORA:
+            # [op, x, k, a_wid, b_wid, y, dst, m]; fargs: scale
+            k, m = c[2], c[7]
+            x = arena[c[1] : c[1] + k].reshape(1, k)
+            y = arena[c[5] : c[5] + m].reshape(1, m)
+            out = arena[c[6] : c[6] + m].reshape(1, m)
+            a_f16 = wtypes[c[3]] == _F16
+            b_f16 = wtypes[c[4]] == _F16
+            lora_rows(x, ws[c[3]], a_f16, ws[c[4]], b_f16, np.float32(fargs[i, 0]), y, out)
 
 
 # ---- tracing ----
@@ -297,8 +309,8 @@ class _Tracer:
     def _emit(self, op: int, ints: list[int], floats: tuple[float, ...] = ()) -> None:
         self.rows.append(([op, *ints], list(floats)))
 
-    def _weight(self, w) -> int:
-        if w.type not in SIMD_TYPES:
+    def _weight(self, w, types=SIMD_TYPES) -> int:
+        if w.type not in types:
             raise Untraceable(f"weight '{w.name}' of type {w.type.name}")
         wid = self._wid.get(id(w))
         if wid is None:
@@ -411,6 +423,16 @@ class _Tracer:
         # the third product slot carries the output: it is not computed (see below)
         row = self.rows[-1][0]
         row[9:12] = [-1, out.offset, 0]
+        return out
+
+    def lora_add(self, y, x, a, b, s):
+        x, y = self._sym(x), self._sym(y)
+        if x.shape[0] != 1 or x.size != a.k or b.k != a.m or y.size != b.m:
+            raise Untraceable("a LoRA term of several rows")
+        a_id, b_id = self._weight(a, LORA_TYPES), self._weight(b, LORA_TYPES)
+        out = self._new(y.shape)
+        ints = [x.offset, a.k, a_id, b_id, y.offset, out.offset, b.m]
+        self._emit(_OP_LORA, ints, (float(s),))
         return out
 
     def silu_mul(self, gate, up):
@@ -575,7 +597,9 @@ class StepCompiler:
     def _trace(self, model, segments, token: int, pos: int):
         tracer = _Tracer(self.backend, token, pos)
         saved = model.backend
-        model.backend = tracer
+        # a wrapper of the backend (LoRA adapters: ``picollama.lora``) wraps the tracer instead
+        rebind = getattr(saved, "rebind", None)
+        model.backend = rebind(tracer) if rebind is not None else tracer
         try:
             out = model.forward_batch(segments)
         except Untraceable:
