@@ -10,7 +10,11 @@ Each tests/data/convert/<name>/ holds a float32 safetensors checkpoint with rand
 permutation and the biases all matter), its tokenizer files, and:
 
 - logits_<i>.npy: transformers' logits for prompt i (all positions, float32)
-- refs.json: the prompts' ids, and the HF tokenizer's ids for each line of the corpus
+- refs.json: the prompts' ids, and the HF tokenizer's ids for each line of the corpus; for
+  the architectures of tests/test_archs.py also transformers' 32 greedy tokens after each
+  prompt and the HF tokenizer's ids of a rendered chat
+
+Names on the command line regenerate only those fixtures (default: all).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +56,18 @@ CORPUS = [
     "zebra quixotic xylophone",
 ]
 PROMPTS = ["The quick brown fox", "Hello world! Numbers 42 and 3.14, you?"]
+# A third prompt for the architectures with a sliding window: longer than their window (16)
+LONG_PROMPT = (
+    "Converting checkpoints to GGUF keeps the weights and the tokenizer together. Llamas, "
+    "Qwens and Gemmas all have attention, feed-forward layers and norms; a tiny model reads "
+    "tiny text."
+)
+N_GREEDY = 32
+CHAT = [
+    {"role": "user", "content": "Hello world! How are you today?"},
+    {"role": "assistant", "content": "I'm fine, thanks."},
+    {"role": "user", "content": "Numbers: 42 and 3.14"},
+]
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -123,15 +140,36 @@ def randomize_small_params(model: torch.nn.Module, seed: int) -> None:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.3)
 
 
-def freeze(folder: Path, model, tokenizer) -> None:
+def greedy(model, ids: list[int]) -> list[int]:
+    """transformers' greedy continuation, N_GREEDY tokens, never stopping at an EOS.
+
+    Fails when a step's top two logits are within 1e-4 of each other (relative to the
+    largest |logit|): 100x the float32 logit error the engine shows on these models (~1e-6),
+    a tie that could go either way under reordering would not be a fair test.
+    """
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(N_GREEDY):
+            logits = model(torch.tensor([out])).logits[0, -1].double()
+            top2 = torch.topk(logits, 2).values
+            assert top2[0] - top2[1] > 1e-4 * logits.abs().max(), "near tie in greedy decoding"
+            out.append(int(logits.argmax()))
+    return out[len(ids) :]
+
+
+def freeze(folder: Path, model, tokenizer, prompts=PROMPTS, extended: bool = False) -> None:
+    """Logits and ids; ``extended``: also greedy continuations and a rendered chat's ids."""
     model.eval()
     refs = {"prompts": [], "corpus": []}
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         ids = tokenizer(prompt)["input_ids"]
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0].float().numpy()
         np.save(folder / f"logits_{i}.npy", logits.astype(np.float32))
-        refs["prompts"].append({"text": prompt, "ids": ids})
+        entry = {"text": prompt, "ids": ids}
+        if extended:
+            entry["greedy"] = greedy(model, ids)
+        refs["prompts"].append(entry)
     for line in CORPUS:
         refs["corpus"].append(
             {
@@ -143,7 +181,14 @@ def freeze(folder: Path, model, tokenizer) -> None:
     lines = [json.dumps(entry, ensure_ascii=False) for entry in refs["prompts"] + refs["corpus"]]
     n = len(refs["prompts"])
     text = '{\n"prompts": [\n' + ",\n".join(lines[:n]) + '\n],\n"corpus": [\n'
-    (folder / "refs.json").write_text(text + ",\n".join(lines[n:]) + "\n]\n}\n")
+    text += ",\n".join(lines[n:]) + "\n]"
+    if extended:
+        # what apply_chat_template(tokenize=True) does: render, then encode without specials
+        rendered = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        chat = {"messages": CHAT, "text": rendered, "ids": ids}
+        text += ',\n"chat": ' + json.dumps(chat, ensure_ascii=False)
+    (folder / "refs.json").write_text(text + "\n}\n")
 
 
 def save_tokenizer(tokenizer, folder: Path) -> None:
@@ -217,7 +262,8 @@ def make_qwen(name: str, seed: int) -> None:
     model = cls(config)
     randomize_small_params(model, seed)
     model.save_pretrained(folder, max_shard_size="60KB" if name == "qwen2" else "50MB")
-    freeze(folder, model, transformers.AutoTokenizer.from_pretrained(folder))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    freeze(folder, model, tokenizer, [*PROMPTS, LONG_PROMPT], extended=True)
 
 
 def make_gemma3() -> None:
@@ -253,11 +299,149 @@ def make_gemma3() -> None:
     freeze(folder, model, transformers.AutoTokenizer.from_pretrained(folder))
 
 
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "[INST] {{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+PHI3_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + '\\n' + m['content'] + '<|end|>' }}"
+    "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' "
+    "else m['role'] %}{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + "
+    "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+    "{% endif %}"
+)
+WINDOW = 16  # sliding window of the tiny Mistral, Phi-3 and Gemma 2: the long prompt exceeds it
+
+
+def make_mistral() -> None:
+    """Mistral (llama graph) with a sliding window, SentencePiece tokenizer, untied output."""
+    folder = fresh("mistral")
+    train_spm(folder, 400, dummy_prefix=True)
+    tokenizer = transformers.LlamaTokenizer.from_pretrained(
+        folder, add_bos_token=True, chat_template=MISTRAL_TEMPLATE
+    )
+    save_tokenizer(tokenizer, folder)
+    config = transformers.MistralConfig(
+        vocab_size=400,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=WINDOW,
+        attn_implementation="eager",
+        **SMALL,
+    )
+    torch.manual_seed(5)
+    model = transformers.MistralForCausalLM(config)
+    randomize_small_params(model, 5)
+    model.save_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    freeze(folder, model, tokenizer, [*PROMPTS, LONG_PROMPT], extended=True)
+
+
+def make_phi3() -> None:
+    """Phi-3: fused qkv and gate_up, partial rotary (half of each head), a sliding window,
+    SentencePiece tokenizer with Phi-3's added chat tokens, no BOS added."""
+    folder = fresh("phi3")
+    train_spm(folder, 400, dummy_prefix=True)
+    tokenizer = transformers.LlamaTokenizer.from_pretrained(
+        folder, add_bos_token=False, chat_template=PHI3_TEMPLATE
+    )
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<|endoftext|>",  # llama.cpp's tokenizer expects it in a model named Phi-3
+                "<|assistant|>",
+                "<|end|>",
+                "<|user|>",
+                "<|system|>",
+            ]
+        }
+    )
+    tokenizer.eos_token = "<|end|>"
+    save_tokenizer(tokenizer, folder)
+    config = transformers.Phi3Config(
+        vocab_size=len(tokenizer),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=WINDOW,
+        original_max_position_embeddings=SMALL["max_position_embeddings"],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|end|>"),
+        attn_implementation="eager",
+        **SMALL,
+    )
+    torch.manual_seed(8)
+    model = transformers.Phi3ForCausalLM(config)
+    randomize_small_params(model, 8)
+    model.save_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    freeze(folder, model, tokenizer, [*PROMPTS, LONG_PROMPT], extended=True)
+
+
+def make_gemma2() -> None:
+    """Gemma 2: attention and final logit softcapping (small caps, so they bite), alternating
+    sliding window, sandwich norms, SentencePiece tokenizer with the turn tokens."""
+    folder = fresh("gemma2")
+    train_spm(
+        folder,
+        400,
+        dummy_prefix=False,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        pad_piece="<pad>",
+        eos_piece="<eos>",
+        bos_piece="<bos>",
+        unk_piece="<unk>",
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+    )
+    tokenizer = transformers.GemmaTokenizer.from_pretrained(
+        folder, add_bos_token=True, chat_template=GEMMA_TEMPLATE
+    )
+    save_tokenizer(tokenizer, folder)
+    config = transformers.Gemma2Config(
+        vocab_size=400,
+        head_dim=16,
+        query_pre_attn_scalar=16,  # llama.cpp scales by 1/sqrt(head_dim)
+        sliding_window=WINDOW,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        rms_norm_eps=1e-6,
+        attn_implementation="eager",
+        **SMALL,
+    )
+    torch.manual_seed(7)
+    model = transformers.Gemma2ForCausalLM(config)
+    randomize_small_params(model, 7)
+    model.save_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    freeze(folder, model, tokenizer, [*PROMPTS, LONG_PROMPT], extended=True)
+
+
+MAKERS = {
+    "llama": make_llama,
+    "qwen2": lambda: make_qwen("qwen2", 2),
+    "qwen3": lambda: make_qwen("qwen3", 4),
+    "gemma3": make_gemma3,
+    "mistral": make_mistral,
+    "phi3": make_phi3,
+    "gemma2": make_gemma2,
+}
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    make_llama()
-    make_qwen("qwen2", 2)
-    make_qwen("qwen3", 4)
-    make_gemma3()
+    for name in sys.argv[1:] or MAKERS:
+        MAKERS[name]()
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT} ({total // 1024} KiB)")

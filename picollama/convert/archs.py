@@ -7,6 +7,10 @@ checkpoint, so a converted file loads in llama.cpp and in picollama alike:
   RoPE; llama.cpp's ``llama`` graph rotates adjacent pairs, so the converter permutes the
   rows of each head (``permute_qk``). Qwen2/Qwen3/Gemma3 run NeoX RoPE: no permutation.
 - Gemma's RMSNorm computes ``x * (1 + w)``; GGUF stores ``1 + w`` (``norm_shift``).
+- Mistral is written as ``llama`` (llama.cpp's converter does the same); its sliding window,
+  which llama.cpp's converter drops, goes in ``llama.attention.sliding_window``.
+- Phi-3 keeps its fused tensors: ``attn_qkv`` (Q, K, V rows stacked) and ``ffn_up`` (gate
+  rows, then up rows); LongRoPE checkpoints get ``rope_factors_long/short.weight``.
 - 1-D tensors and norms stay F32 whatever the output type.
 """
 
@@ -22,7 +26,15 @@ import numpy as np
 from picollama.convert.errors import ConvertError
 from picollama.gguf.constants import GGUFValueType
 
-__all__ = ["ArchSpec", "ARCHS", "arch_for", "Metadata", "permute_qk", "rope_parameters"]
+__all__ = [
+    "ArchSpec",
+    "ARCHS",
+    "arch_for",
+    "Metadata",
+    "permute_qk",
+    "phi3_rope_factors",
+    "rope_parameters",
+]
 
 VT = GGUFValueType
 
@@ -55,6 +67,14 @@ _GEMMA3_LAYER_NAMES = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+_PHI3_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -71,10 +91,11 @@ class ArchSpec:
     metadata: Callable[[dict[str, Any], str], Metadata]
     permute_qk: bool = False
     norm_shift: float = 0.0
+    dropped: tuple[str, ...] = ()  # HF tensors llama.cpp's converter skips for this class
 
     def gguf_name(self, hf_name: str) -> str | None:
         """The GGUF tensor name for ``hf_name``; None for tensors to drop."""
-        if hf_name.endswith(_SKIPPED_SUFFIXES):
+        if hf_name.endswith(_SKIPPED_SUFFIXES) or hf_name in self.dropped:
             return None
         if hf_name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[hf_name]
@@ -206,6 +227,108 @@ def _gemma3_metadata(config: dict[str, Any], arch: str) -> Metadata:
     return md
 
 
+def _mistral_metadata(config: dict[str, Any], arch: str) -> Metadata:
+    md = _llama_metadata(config, arch)
+    if window := config.get("sliding_window"):
+        md.append((f"{arch}.attention.sliding_window", window, VT.UINT32))
+    return md
+
+
+def _phi3_rope(config: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+    """Phi-3's RoPE settings, its original context length and its rotary dims per head."""
+    rope = rope_parameters(config)
+    rope = rope.get("full_attention", rope)
+    n_embd, n_heads = config["hidden_size"], config["num_attention_heads"]
+    orig_ctx = _find(rope, "original_max_position_embeddings")
+    if orig_ctx is None:
+        orig_ctx = _find(config, "original_max_position_embeddings")
+    if orig_ctx is None:
+        raise ConvertError("config.json has no original_max_position_embeddings (Phi-3 needs it)")
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return rope, orig_ctx, int(partial * n_embd) // n_heads
+
+
+def _phi3_metadata(config: dict[str, Any], arch: str) -> Metadata:
+    """Phi3MiniModel.set_gguf_parameters (and the LongRoPE attention factor)."""
+    rope, orig_ctx, n_rot = _phi3_rope(config)
+    n_heads = config["num_attention_heads"]
+    md: Metadata = [
+        (f"{arch}.context_length", config["max_position_embeddings"], VT.UINT32),
+        (f"{arch}.rope.scaling.original_context_length", orig_ctx, VT.UINT32),
+        (f"{arch}.embedding_length", config["hidden_size"], VT.UINT32),
+        (f"{arch}.feed_forward_length", config["intermediate_size"], VT.UINT32),
+        (f"{arch}.block_count", config["num_hidden_layers"], VT.UINT32),
+        (f"{arch}.attention.head_count", n_heads, VT.UINT32),
+        (
+            f"{arch}.attention.head_count_kv",
+            config.get("num_key_value_heads", n_heads),
+            VT.UINT32,
+        ),
+        (f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"], VT.FLOAT32),
+        (f"{arch}.rope.dimension_count", n_rot, VT.UINT32),
+        (f"{arch}.rope.freq_base", rope.get("rope_theta", 10000.0), VT.FLOAT32),
+        (f"{arch}.attention.sliding_window", config.get("sliding_window") or 0, VT.UINT32),
+    ]
+    if rope.get("long_factor"):
+        scale = config["max_position_embeddings"] / orig_ctx
+        rope_type = str(rope.get("rope_type", rope.get("type", ""))).lower()
+        if rope_type in ("su", "longrope"):
+            factor = math.sqrt(1 + math.log(scale) / math.log(orig_ctx)) if scale > 1 else 1.0
+        elif rope_type == "yarn":
+            factor = 0.1 * math.log(scale) + 1.0 if scale > 1 else 1.0
+        else:
+            raise ConvertError(f"Phi-3 RoPE scaling type {rope_type!r} is not supported")
+        md.append((f"{arch}.rope.scaling.attn_factor", factor, VT.FLOAT32))
+    return md
+
+
+def phi3_rope_factors(config: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """llama.cpp's ``rope_factors_long/short.weight`` for a LongRoPE Phi-3, else none."""
+    rope, _, n_rot = _phi3_rope(config)
+    long, short = rope.get("long_factor"), rope.get("short_factor")
+    if not long:
+        return []
+    if not short or len(long) != len(short) or len(long) != n_rot // 2:
+        raise ConvertError(
+            f"RoPE long_factor and short_factor must both have {n_rot // 2} entries "
+            f"(got {len(long)} and {len(short or [])})"
+        )
+    return [
+        ("rope_factors_long.weight", np.array(long, dtype=np.float32)),
+        ("rope_factors_short.weight", np.array(short, dtype=np.float32)),
+    ]
+
+
+def _gemma2_metadata(config: dict[str, Any], arch: str) -> Metadata:
+    """Gemma2Model.set_gguf_parameters: no RoPE keys (base 10000), both softcaps, window."""
+    n_heads = config["num_attention_heads"]
+    md: Metadata = [
+        (f"{arch}.context_length", config["max_position_embeddings"], VT.UINT32),
+        (f"{arch}.embedding_length", config["hidden_size"], VT.UINT32),
+        (f"{arch}.block_count", config["num_hidden_layers"], VT.UINT32),
+        (f"{arch}.feed_forward_length", config["intermediate_size"], VT.UINT32),
+        (f"{arch}.attention.head_count", n_heads, VT.UINT32),
+        (
+            f"{arch}.attention.head_count_kv",
+            config.get("num_key_value_heads", n_heads),
+            VT.UINT32,
+        ),
+        (f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"], VT.FLOAT32),
+        (f"{arch}.attention.key_length", config["head_dim"], VT.UINT32),
+        (f"{arch}.attention.value_length", config["head_dim"], VT.UINT32),
+    ]
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is None:
+            raise ConvertError(f"config.json has no {key} (Gemma 2 needs it)")
+        md.append((f"{arch}.{key}", config[key], VT.FLOAT32))
+    md.append((f"{arch}.attention.sliding_window", config["sliding_window"], VT.UINT32))
+    rope = rope_parameters(config)
+    rope = rope.get("full_attention", rope)
+    if rope.get("rope_type") not in (None, "default") or rope.get("rope_theta", 1e4) != 1e4:
+        raise ConvertError("Gemma 2 with RoPE other than the default (base 10000) is not supported")
+    return md
+
+
 def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray | None:
     """llama.cpp's ``rope_freqs.weight`` for Llama 3.1-style RoPE scaling, else None."""
     rope_all = rope_parameters(config)
@@ -236,14 +359,22 @@ _LLAMA = ArchSpec("llama", _LAYER_NAMES, _llama_metadata, permute_qk=True)
 _QWEN2 = ArchSpec("qwen2", _LAYER_NAMES, _base_metadata)
 _QWEN3 = ArchSpec("qwen3", _LAYER_NAMES, _base_metadata)
 _GEMMA3 = ArchSpec("gemma3", _GEMMA3_LAYER_NAMES, _gemma3_metadata, norm_shift=1.0)
+_MISTRAL = ArchSpec("llama", _LAYER_NAMES, _mistral_metadata, permute_qk=True)
+_PHI3 = ArchSpec("phi3", _PHI3_LAYER_NAMES, _phi3_metadata)
+# llama.cpp's Gemma 2 reuses the embedding as the output: it skips lm_head.weight
+_GEMMA2 = ArchSpec(
+    "gemma2", _GEMMA3_LAYER_NAMES, _gemma2_metadata, norm_shift=1.0, dropped=("lm_head.weight",)
+)
 
 # config.json "architectures"[0] -> spec (llama.cpp writes Mistral as "llama")
 ARCHS: dict[str, ArchSpec] = {
     "LlamaForCausalLM": _LLAMA,
     "LLaMAForCausalLM": _LLAMA,
-    "MistralForCausalLM": _LLAMA,
+    "MistralForCausalLM": _MISTRAL,
     "Qwen2ForCausalLM": _QWEN2,
     "Qwen3ForCausalLM": _QWEN3,
+    "Phi3ForCausalLM": _PHI3,
+    "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,
 }
 

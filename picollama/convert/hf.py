@@ -14,7 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from picollama.convert.archs import ArchSpec, Metadata, arch_for, llama3_rope_factors, permute_qk
+from picollama.convert.archs import (
+    ArchSpec,
+    Metadata,
+    arch_for,
+    llama3_rope_factors,
+    permute_qk,
+    phi3_rope_factors,
+)
 from picollama.convert.checkpoint import Checkpoint, TensorRef
 from picollama.convert.errors import ConvertError
 from picollama.convert.vocab import vocab_metadata
@@ -101,6 +108,9 @@ def _plans(checkpoint: Checkpoint, spec: ArchSpec, outtype: str, n_tokens: int) 
     factors = llama3_rope_factors(config) if spec.gguf_arch == "llama" else None
     if factors is not None:
         plans.append(_Plan("rope_freqs.weight", GGMLType.F32, factors.shape, lambda: factors))
+    if spec.gguf_arch == "phi3":
+        for name, data in phi3_rope_factors(config):
+            plans.append(_Plan(name, GGMLType.F32, data.shape, lambda data=data: data))
     for ref in checkpoint:
         name = spec.gguf_name(ref.name)
         if name is None:

@@ -281,6 +281,18 @@ def _spm_vocab(folder: Path, config: dict[str, Any]) -> tuple[list[bytes], list[
             tokens[tid] = text.encode("utf-8")
             scores[tid] = -1000.0
             types[tid] = int(TokenType.USER_DEFINED)
+    # tokens added past the SentencePiece model (Phi-3's chat tokens), as llama.cpp's Phi-3
+    # converter reads them from tokenizer.json; the model's own pieces stay as they are
+    tokenizer_json = _read_json(folder / "tokenizer.json") or {}
+    for data in tokenizer_json.get("added_tokens") or []:
+        tid, text = data.get("id"), data.get("content")
+        if not isinstance(tid, int) or not isinstance(text, str):
+            continue
+        if sp.vocab_size() <= tid < n_vocab:
+            tokens[tid] = text.encode("utf-8")
+            scores[tid] = -1000.0
+            special = data.get("special")
+            types[tid] = int(TokenType.CONTROL if special else TokenType.USER_DEFINED)
     tok_config = _read_json(folder / "tokenizer_config.json") or {}
     for key, data in (tok_config.get("added_tokens_decoder") or {}).items():
         tid, text = int(key), data["content"]
@@ -402,7 +414,7 @@ def vocab_metadata(folder: Path, config: dict[str, Any], gguf_arch: str) -> tupl
     if (folder / "tokenizer.model").is_file():
         vocab_md, n_tokens = _spm_metadata(folder, config)
         md += vocab_md
-        if gguf_arch == "gemma3":
+        if gguf_arch in ("gemma2", "gemma3"):
             md.append(("tokenizer.ggml.add_space_prefix", False, VT.BOOL))
     elif (folder / "tokenizer.json").is_file():
         vocab_md, n_tokens = _bpe_metadata(folder, config)

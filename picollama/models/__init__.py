@@ -13,6 +13,10 @@ __all__ = ["ARCHITECTURES", "supported_architectures", "load_model"]
 ARCHITECTURES: dict[str, str] = {
     "llama": "picollama.models.llama",
     "mistral": "picollama.models.llama",
+    "qwen2": "picollama.models.qwen2",
+    "qwen3": "picollama.models.qwen3",
+    "phi3": "picollama.models.phi3",
+    "gemma2": "picollama.models.gemma2",
     "gemma3": "picollama.models.gemma3",
 }
 

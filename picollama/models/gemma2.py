@@ -1,0 +1,171 @@
+"""Gemma 2: scaled embeddings, sandwich norms, GeGLU, softcapped attention and logits.
+
+llama.cpp's ``gemma2`` graph: the embedding times sqrt(n_embd); per layer RMSNorm, Q/K/V,
+NeoX RoPE (one base for every layer, 10000 unless the file says), Q times 1/sqrt(head_dim)
+(27B: 1/sqrt(n_embd / n_heads)), attention scores softcapped (``attn_logit_softcapping``:
+``cap * tanh(s / cap)`` before the softmax), RMSNorm of the attention output, residual,
+RMSNorm, GeGLU feed-forward, RMSNorm of its output, residual; final RMSNorm, the tied
+output, and the logits softcapped too (``final_logit_softcapping``). Layers alternate: even
+layers attend within ``attention.sliding_window``, odd layers globally
+(``set_swa_pattern(2)``). GGUF norm weights already hold Gemma's ``1 + w``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from picollama.backends.base import Backend
+from picollama.gguf import GGUFReader
+from picollama.models.base import (
+    BaseModel,
+    Batch,
+    CommonArgs,
+    ModelLoadError,
+    Segment,
+    WeightLoader,
+    meta_float,
+    meta_int,
+)
+from picollama.models.llama import _vocab_size
+
+__all__ = ["ModelArgs", "Model"]
+
+SWA_PATTERN = 2  # layers il with il % 2 == 0 are sliding-window layers
+
+
+@dataclass
+class ModelArgs(CommonArgs):
+    norm_eps: float = 1e-6
+    n_ff: int = 0
+    rope_freq_base: float = 10000.0
+    sliding_window: int = 4096
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    attn_scale: float = 0.0
+
+    def is_swa(self, il: int) -> bool:
+        return il % SWA_PATTERN < SWA_PATTERN - 1
+
+    @classmethod
+    def from_gguf(cls, reader: GGUFReader, arch: str = "gemma2") -> ModelArgs:
+        def key(template: str) -> str:
+            return template.format(arch=arch)
+
+        n_embd = meta_int(reader, key("{arch}.embedding_length"))
+        n_heads = meta_int(reader, key("{arch}.attention.head_count"))
+        n_kv_heads = meta_int(reader, key("{arch}.attention.head_count_kv"), n_heads)
+        if n_heads == 0 or n_kv_heads == 0 or n_heads % n_kv_heads:
+            raise ModelLoadError(
+                f"head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
+            )
+        head_dim = meta_int(reader, key("{arch}.attention.key_length"), n_embd // n_heads)
+        head_dim_v = meta_int(reader, key("{arch}.attention.value_length"), head_dim)
+        scaling = reader.get(key("{arch}.rope.scaling.type"), "none")
+        if scaling not in ("none", None):
+            raise ModelLoadError(f"RoPE scaling type '{scaling}' is not supported for gemma2")
+        n_layers = meta_int(reader, key("{arch}.block_count"))
+        caps = []
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = meta_float(reader, key("{arch}." + name), 0.0)
+            if cap < 0 or not math.isfinite(cap):
+                raise ModelLoadError(f"metadata '{arch}.{name}' must be >= 0, got {cap}")
+            caps.append(cap)
+        return cls(
+            arch=arch,
+            n_vocab=_vocab_size(reader, arch),
+            n_embd=n_embd,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim_k=head_dim,
+            head_dim_v=head_dim_v,
+            n_ctx_train=meta_int(reader, key("{arch}.context_length"), 8192),
+            norm_eps=meta_float(reader, key("{arch}.attention.layer_norm_rms_epsilon"), 1e-6),
+            n_ff=meta_int(reader, key("{arch}.feed_forward_length")),
+            rope_freq_base=meta_float(reader, key("{arch}.rope.freq_base"), 10000.0),
+            sliding_window=meta_int(reader, key("{arch}.attention.sliding_window"), 4096),
+            attn_softcap=caps[0],
+            final_softcap=caps[1],
+            # llama.cpp: 1/sqrt(head_dim), except Gemma 2 27B (46 layers): 1/sqrt(n_embd/n_heads)
+            attn_scale=1.0 / math.sqrt(n_embd / n_heads if n_layers == 46 else head_dim),
+        )
+
+
+@dataclass
+class _Layer:
+    attn_norm: object
+    wq: object
+    wk: object
+    wv: object
+    wo: object
+    post_attn_norm: object
+    ffn_norm: object
+    w_gate: object
+    w_up: object
+    w_down: object
+    post_ffn_norm: object
+
+
+class Model(BaseModel):
+    def __init__(self, reader: GGUFReader, backend: Backend, arch: str = "gemma2"):
+        self.args = a = ModelArgs.from_gguf(reader, arch)
+        self.backend = backend
+        load = WeightLoader(reader, backend)
+        d, hd, hdv = a.n_embd, a.head_dim_k, a.head_dim_v
+        self.tok_embd = load.weight("token_embd.weight", (d, a.n_vocab))
+        self.layers = []
+        for i in range(a.n_layers):
+            p = f"blk.{i}."
+            self.layers.append(
+                _Layer(
+                    attn_norm=load.vector(p + "attn_norm.weight", d),
+                    wq=load.weight(p + "attn_q.weight", (d, a.n_heads * hd)),
+                    wk=load.weight(p + "attn_k.weight", (d, a.n_kv_heads * hd)),
+                    wv=load.weight(p + "attn_v.weight", (d, a.n_kv_heads * hdv)),
+                    wo=load.weight(p + "attn_output.weight", (a.n_heads * hdv, d)),
+                    post_attn_norm=load.vector(p + "post_attention_norm.weight", d),
+                    ffn_norm=load.vector(p + "ffn_norm.weight", d),
+                    w_gate=load.weight(p + "ffn_gate.weight", (d, a.n_ff)),
+                    w_up=load.weight(p + "ffn_up.weight", (d, a.n_ff)),
+                    w_down=load.weight(p + "ffn_down.weight", (a.n_ff, d)),
+                    post_ffn_norm=load.vector(p + "post_ffw_norm.weight", d),
+                )
+            )
+        self.output_norm = load.vector("output_norm.weight", d)
+        if load.has("output.weight"):
+            self.output = load.weight("output.weight", (d, a.n_vocab))
+        else:
+            self.output = self.tok_embd
+        self.embd_scale = math.sqrt(d)
+
+    def forward_batch(self, segments: list[Segment]) -> list[np.ndarray]:
+        a, be = self.args, self.backend
+        batch = Batch(segments)
+        n = len(batch)
+        positions = batch.positions
+        x = be.scale(be.get_rows(self.tok_embd, batch.tokens), self.embd_scale)  # (n, n_embd)
+        for il, layer in enumerate(self.layers):
+            h = be.rms_norm(x, layer.attn_norm, a.norm_eps)
+            q, k, v = be.matmul_many(h, (layer.wq, layer.wk, layer.wv))
+            q = q.reshape(n, a.n_heads, a.head_dim_k)
+            k = k.reshape(n, a.n_kv_heads, a.head_dim_k)
+            v = v.reshape(n, a.n_kv_heads, a.head_dim_v)
+            q = be.rope(q, positions, a.head_dim_k, a.rope_freq_base, 1.0, neox=True)
+            k = be.rope(k, positions, a.head_dim_k, a.rope_freq_base, 1.0, neox=True)
+            q = be.scale(q, a.attn_scale)
+            window = a.sliding_window if a.is_swa(il) else 0
+            attn = batch.attend(be, il, q, k, v, 1.0, window, a.attn_softcap)
+            attn = be.rms_norm(be.matmul(attn, layer.wo), layer.post_attn_norm, a.norm_eps)
+            x = be.add(x, attn)
+            h = be.rms_norm(x, layer.ffn_norm, a.norm_eps)
+            ff = be.gated_ffn(h, layer.w_gate, layer.w_up, "gelu")
+            ff = be.rms_norm(be.matmul(ff, layer.w_down), layer.post_ffn_norm, a.norm_eps)
+            x = be.add(x, ff)
+        x = be.rms_norm(be.take_rows(x, batch.logit_rows), self.output_norm, a.norm_eps)
+        logits = be.matmul(x, self.output)  # (rows, n_vocab)
+        if a.final_softcap > 0:
+            logits = be.softcap(logits, a.final_softcap)
+        return batch.split(be.to_host(logits))
