@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="completion mode",
     )
     p.add_argument("--verbose-timings", action="store_true", help="print timings after each turn")
+    p.add_argument(
+        "--list-archs",
+        action="store_true",
+        help="list the model architectures (general.architecture) this build runs, and exit",
+    )
     _add_sampling_args(p)
     _add_grammar_args(p)
     _add_speculative_args(p)
@@ -396,6 +401,11 @@ def _chat(llm, args, first_message: str | None, interrupt: _Interrupt, constrain
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.list_archs:
+        from picollama.models import supported_architectures
+
+        print("\n".join(supported_architectures()))
+        return 0
     t_start = time.perf_counter()
     prompt = args.prompt
     try:
