@@ -43,6 +43,9 @@ class Llama:
         spec_draft_n_max: int = 3,
         spec_draft_n_min: int = 0,
         spec_draft_p_min: float = 0.0,
+        lora_adapters: Sequence[tuple[str | os.PathLike, float]] | None = None,
+        lora_path: str | os.PathLike | None = None,
+        lora_scale: float = 1.0,
     ):
         """``device`` picks the device of the cuda backend (a GPU index) or the opencl one (an
         index, ``"platform:device"`` or a name); None: the backend's default.
@@ -51,14 +54,27 @@ class Llama:
         (path or built-in name) with the target's vocabulary, or a drafter such as
         ``LlamaPromptLookupDecoding(num_pred_tokens=10)``; ``lookup_ngram=N`` drafts by prompt
         lookup instead. ``spec_draft_n_max`` tokens are drafted per round (``n_min``,
-        ``p_min`` as llama.cpp's). ``spec_stats`` has the counts of the last generation."""
+        ``p_min`` as llama.cpp's). ``spec_stats`` has the counts of the last generation.
+
+        LoRA (``picollama.lora``): ``lora_adapters`` is a list of ``(path, scale)`` GGUF
+        adapters, applied together; ``lora_path``/``lora_scale`` (llama-cpp-python's
+        spelling) add one more. ``set_lora_adapters`` changes the scales without reloading."""
         if device is not None:
             backend = _backend_on_device(backend, device, n_threads)
         self.ctx = Context(
             model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, backend=backend
         )
         self._draft_engine = None
+        self.lora = None
         try:
+            specs = list(lora_adapters or [])
+            if lora_path is not None:
+                specs.append((lora_path, lora_scale))
+            if specs:
+                from picollama.lora import LoraSet
+
+                self.lora = LoraSet(self.ctx.model, specs)
+                self.ctx.model = self.lora.model_for()
             self.ctx.speculator = self._speculator(
                 draft_model, lookup_ngram, spec_draft_n_max, spec_draft_n_min, spec_draft_p_min
             )
@@ -70,6 +86,23 @@ class Llama:
         self.verbose = verbose
         self._chat_template_name = chat_template
         self._chat_template = None
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    def lora_adapters(self) -> list[dict]:
+        """The loaded adapters as llama-server lists them: ``[{id, path, scale}]``."""
+        return self.lora.describe() if self.lora is not None else []
+
+    def set_lora_adapters(self, scales: list[dict]) -> None:
+        """New scales, ``[{"id": i, "scale": s}]`` (adapters not named get 0); the model is
+        not reloaded, and the KV cache is dropped since it was computed with the old ones."""
+        if self.lora is None:
+            from picollama.lora import LoraError
+
+            raise LoraError("no LoRA adapters are loaded")
+        self.lora.set_scales(scales)
+        self.ctx.model = self.lora.model_for()
+        self.ctx.reset()
 
     # -- tokens -----------------------------------------------------------------------------
 
@@ -376,6 +409,10 @@ class Llama:
         return None if sp is None else sp.stats
 
     def close(self) -> None:
+        if self.lora is not None:
+            self.ctx.model = self.lora.model
+            self.lora.close()
+            self.lora = None
         self.ctx.close()
         if self._draft_engine is not None:
             self._draft_engine.close()

@@ -33,6 +33,7 @@ __all__ = [
     "LoraSet",
     "with_adapters",
     "model_weights",
+    "write_random_adapter",
 ]
 
 _SUFFIX_A = ".lora_a"
@@ -320,3 +321,43 @@ def _check_scale(value, where: str) -> float:
     if value != value or value in (float("inf"), float("-inf")):
         raise LoraError(f"{where}: scale {value} is not finite")
     return value
+
+
+def write_random_adapter(
+    model,
+    path: str | os.PathLike,
+    rank: int = 16,
+    alpha: float | None = None,
+    ggml_type=None,
+    seed: int = 0,
+) -> None:
+    """Write a random LoRA adapter for every projection matrix of the blocks of ``model``
+    (``blk.*`` weights with two axes): for tests and ``picollama-bench --lora-random``.
+
+    ``ggml_type`` is F16 (default) or F32; ``alpha`` defaults to ``rank`` (scale 1). The
+    terms are about a tenth of a typical activation, so outputs move without diverging.
+    """
+    import numpy as np
+
+    from picollama.gguf.constants import GGMLType
+    from picollama.gguf.writer import GGUFWriter
+
+    ggml_type = GGMLType.F16 if ggml_type is None else GGMLType(ggml_type)
+    if ggml_type not in (GGMLType.F16, GGMLType.F32):
+        raise LoraError(f"random adapters are F16 or F32, not {ggml_type.name}")
+    if rank <= 0:
+        raise LoraError(f"rank must be positive, got {rank}")
+    dtype = np.float16 if ggml_type == GGMLType.F16 else np.float32
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(path, arch=model.args.arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(rank if alpha is None else alpha))
+    for name, w in sorted(model_weights(model).items()):
+        if not name.startswith("blk.") or len(w.shape) != 2:
+            continue
+        a = rng.standard_normal((rank, w.k)) / np.sqrt(w.k)  # (r, k): GGUF (k, r)
+        b = rng.standard_normal((w.m, rank)) * (0.1 / np.sqrt(rank))  # (m, r): GGUF (r, m)
+        writer.add_tensor(name + _SUFFIX_A, a.astype(dtype))
+        writer.add_tensor(name + _SUFFIX_B, b.astype(dtype))
+    writer.write()

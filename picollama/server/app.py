@@ -14,9 +14,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from picollama.generation import Engine
+from picollama.lora import LoraError, LoraSet
 from picollama.sampling.samplers import DEFAULT_SEED, Sampler, SamplingParams
 from picollama.server import params as P
 from picollama.server.errors import APIError, bad_request
@@ -40,6 +41,7 @@ class ServerConfig:
     max_logprobs: int = 20
     max_n: int = 8  # choices per request
     allow_template_kwargs: bool = False  # chat_template_kwargs from requests (RELIABILITY 21)
+    lora_adapters: list = field(default_factory=list)  # (path, scale) GGUF LoRA adapters
 
 
 @dataclass
@@ -64,7 +66,10 @@ class App:
         self.config = config
         self.tokenizer = engine.tokenizer
         n_ctx_slot = max(1, config.n_ctx // config.n_slots) if config.n_ctx > 0 else 0
-        self.scheduler = Scheduler(engine, config.n_slots, n_ctx_slot, config.max_queue)
+        self.lora = LoraSet(engine.model, config.lora_adapters) if config.lora_adapters else None
+        self.scheduler = Scheduler(
+            engine, config.n_slots, n_ctx_slot, config.max_queue, lora=self.lora
+        )
         self.n_ctx_slot = self.scheduler.n_ctx_slot
         self.model_name = config.alias or os.path.basename(str(engine.path))
         self.template = ChatTemplate.for_model(engine.reader.metadata, config.chat_template)
@@ -196,6 +201,33 @@ class App:
             out.append(f"# TYPE llamacpp:{name} {kind}")
             out.append(f"llamacpp:{name} {value}")
         return "\n".join(out) + "\n"
+
+    # -- LoRA adapters (llama-server's /lora-adapters) ------------------------------------
+
+    def lora_adapters(self) -> list[dict]:
+        return self.lora.describe() if self.lora is not None else []
+
+    def set_lora_adapters(self, body) -> dict:
+        """New global scales, ``[{"id": i, "scale": s}]`` (adapters not named get 0); for
+        requests that start from now on, without reloading anything."""
+        if self.lora is None:
+            raise bad_request("no LoRA adapters are loaded (--lora)")
+        try:
+            self.lora.set_scales(body)
+        except LoraError as exc:
+            raise bad_request(str(exc)) from None
+        return {"success": True}
+
+    def _lora_scales(self, body: dict) -> tuple[float, ...] | None:
+        """The request's ``lora`` list as a scale per adapter; else the global scales."""
+        if "lora" not in body:
+            return tuple(self.lora.scales) if self.lora is not None else None
+        if self.lora is None:
+            raise bad_request("no LoRA adapters are loaded (--lora)", "lora")
+        try:
+            return tuple(self.lora.parse(body["lora"]))
+        except LoraError as exc:
+            raise bad_request(str(exc), "lora") from None
 
     def tokenize(self, body: dict) -> dict:
         content = body.get("content")
@@ -454,6 +486,7 @@ class App:
         cache_prompt = P.get_bool(body, "cache_prompt", True)
         id_slot = P.get_int(body, "id_slot", -1, lo=-1, hi=self.config.n_slots - 1)
         params = self._sampling(body, self.engine.n_vocab)
+        lora = self._lora_scales(body)
         out = []
         q: queue.Queue[Event] = queue.Queue()
         for i, prompt in enumerate(prompts):
@@ -478,6 +511,7 @@ class App:
                         index=i * n + j,
                         cache_prompt=cache_prompt,
                         id_slot=id_slot,
+                        lora=lora,
                         out=q,
                     )
                 )

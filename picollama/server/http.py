@@ -106,6 +106,7 @@ class Handler(BaseHTTPRequestHandler):
             "/props": a.props,
             "/slots": a.slots,
             "/metrics": a.metrics,
+            "/lora-adapters": a.lora_adapters,
         }
         post = {
             "/v1/chat/completions": a.chat_completions,
@@ -116,6 +117,7 @@ class Handler(BaseHTTPRequestHandler):
             "/tokenize": a.tokenize,
             "/detokenize": a.detokenize,
             "/apply-template": a.apply_template,
+            "/lora-adapters": a.set_lora_adapters,
         }
         return get, post
 
@@ -167,7 +169,7 @@ class Handler(BaseHTTPRequestHandler):
             self._drain_body()
             result = get[path]()
         elif method == "POST" and path in post:
-            body = self._read_json()
+            body = self._read_json(list_ok=path == "/lora-adapters")
             fn = post[path]
             if fn in (self.app.chat_completions, self.app.completions, self.app.completion):
                 result = fn(body, self._disconnected)
@@ -238,7 +240,7 @@ class Handler(BaseHTTPRequestHandler):
         if n:
             self.rfile.read(n)
 
-    def _read_json(self) -> dict:
+    def _read_json(self, list_ok: bool = False) -> dict:
         n = self._body_length()
         data = self.rfile.read(n) if n else b""
         if len(data) < n:
@@ -254,7 +256,7 @@ class Handler(BaseHTTPRequestHandler):
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         except RecursionError:
             raise APIError(400, "the request body nests too deeply") from None
-        if not isinstance(body, dict):
+        if not isinstance(body, dict) and not (list_ok and isinstance(body, list)):
             raise APIError(400, "the request body must be a JSON object")
         return body
 

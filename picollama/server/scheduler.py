@@ -71,6 +71,7 @@ class GenRequest:
     index: int = 0  # the choice index within its HTTP request
     cache_prompt: bool = True
     id_slot: int = -1  # llama.cpp's id_slot: -1 lets the scheduler choose
+    lora: tuple[float, ...] | None = None  # a scale per loaded LoRA adapter (None: none loaded)
     out: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_submit: float = field(default_factory=time.perf_counter)
@@ -123,7 +124,18 @@ def engine_step(batch: list[tuple[Context, list[int]]]) -> list[np.ndarray]:
     every slot, attention per sequence against its own KV cache. Each ``Context`` appends
     its tokens to its cache.
     """
-    return eval_batch(batch)
+    # slots whose LoRA adapters differ run different model views (picollama.lora): one pass
+    # per view, as llama-server does not batch slots with different adapters
+    groups: dict[int, list[int]] = {}
+    for i, (ctx, _) in enumerate(batch):
+        groups.setdefault(id(ctx.model), []).append(i)
+    if len(groups) == 1:
+        return eval_batch(batch)
+    out: list = [None] * len(batch)
+    for rows in groups.values():
+        for i, logits in zip(rows, eval_batch([batch[i] for i in rows]), strict=True):
+            out[i] = logits
+    return out
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -144,7 +156,10 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 class Scheduler:
     """The engine thread, its slots and its waiting queue."""
 
-    def __init__(self, engine: Engine, n_slots: int, n_ctx_slot: int, max_queue: int = 64):
+    def __init__(
+        self, engine: Engine, n_slots: int, n_ctx_slot: int, max_queue: int = 64, lora=None
+    ):
+        self.lora = lora  # a picollama.lora.LoraSet, or None
         if n_slots <= 0:
             raise ValueError(f"the number of slots (-np) must be positive, got {n_slots}")
         self.engine = engine
@@ -268,6 +283,10 @@ class Scheduler:
     def _start(self, slot: Slot, req: GenRequest) -> None:
         ctx = slot.ctx
         prompt = req.prompt
+        model = self.engine.model if self.lora is None else self.lora.model_for(req.lora)
+        if ctx.model is not model:  # its cache was computed with other LoRA adapters
+            ctx.model = model
+            ctx.truncate(0)
         n_keep = _common_prefix(ctx.tokens, prompt[:-1]) if req.cache_prompt else 0
         ctx.truncate(n_keep)
         if req.cache_prompt:
@@ -292,7 +311,7 @@ class Scheduler:
         limit = len(prompt) - 1  # the last prompt token is always evaluated again
         best, n_best = None, n_have
         for other in self.slots:
-            if other is slot:
+            if other is slot or other.ctx.model is not slot.ctx.model:  # other LoRA adapters
                 continue
             n = _common_prefix(other.ctx.tokens[:limit], prompt[:limit])
             if n > n_best:

@@ -111,6 +111,28 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also run llama-bench from this folder and print the ratios",
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="LoRA adapter (repeatable): every test runs without and then with the adapters",
+    )
+    p.add_argument(
+        "--lora-scaled",
+        action="append",
+        nargs=2,
+        default=[],
+        metavar=("FILE", "SCALE"),
+        help="LoRA adapter with a scale (repeatable)",
+    )
+    p.add_argument(
+        "--lora-random",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="also a random F16 adapter of this rank on every projection of the model",
+    )
     args = p.parse_args(argv)
 
     from picollama.errors import USER_ERRORS
@@ -126,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             backend=args.backend,
         )
     except USER_ERRORS as err:
+        print(f"picollama-bench: error: {err}", file=sys.stderr)
+        return 1
+    try:
+        lora_model = _lora_model(ctx, args)
+    except (*USER_ERRORS, ValueError) as err:
         print(f"picollama-bench: error: {err}", file=sys.stderr)
         return 1
     threads = getattr(ctx.backend, "n_threads", args.threads or 0)
@@ -145,10 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.n_gen > 0:
         tests.append((f"tg{args.n_gen}", _run_tg, args.n_gen))
     ours = {}
-    for name, fn, n in tests:
-        fn(ctx, min(n, 16), rng)  # warm-up: compiles and touches the weights
-        runs = [fn(ctx, n, rng) for _ in range(max(args.repetitions, 1))]
-        ours[name] = (statistics.mean(runs), statistics.stdev(runs) if len(runs) > 1 else 0.0)
+    base_model = ctx.model
+    # with adapters: each test without them, then with them (the same cache and weights)
+    for model, suffix in [(base_model, "")] + ([(lora_model, " +lora")] if lora_model else []):
+        ctx.model = model
+        for name, fn, n in tests:
+            fn(ctx, min(n, 16), rng)  # warm-up: compiles and touches the weights
+            runs = [fn(ctx, n, rng) for _ in range(max(args.repetitions, 1))]
+            stdev = statistics.stdev(runs) if len(runs) > 1 else 0.0
+            ours[name + suffix] = (statistics.mean(runs), stdev)
+    ctx.model = base_model
 
     theirs = {}
     if args.vs_llama_cpp:
@@ -198,7 +231,35 @@ def main(argv: list[str] | None = None) -> int:
     if tg:
         print(f"; tg reaches {tg[0][0] / ceiling:.0%} of it", end="")
     print()
+    for name, _, _ in tests:
+        if name + " +lora" in ours:
+            ratio = ours[name + " +lora"][0] / ours[name][0]
+            print(f"{name} with the LoRA adapters: {ratio:.2f}x the speed without them")
     return 0
+
+
+def _lora_model(ctx, args):
+    """The model view with the adapters of --lora/--lora-scaled/--lora-random, or None."""
+    from picollama.lora import LoraSet, write_random_adapter
+
+    specs = [(path, 1.0) for path in args.lora]
+    specs += [(path, float(scale)) for path, scale in args.lora_scaled]
+    tmp = None
+    if args.lora_random > 0:
+        import tempfile
+
+        tmp = tempfile.TemporaryDirectory(prefix="picollama-bench-")
+        path = os.path.join(tmp.name, f"random-r{args.lora_random}.gguf")
+        write_random_adapter(ctx.model, path, rank=args.lora_random)
+        specs.append((path, 1.0))
+    if not specs:
+        return None
+    adapters = LoraSet(ctx.model, specs)
+    if tmp is not None:
+        tmp.cleanup()  # the adapter's mmap stays valid after its file is unlinked
+    n = sum(len(a.pairs) for a in adapters.adapters)
+    print(f"LoRA: {len(adapters)} adapter(s) on {n} weights", file=sys.stderr)
+    return adapters.model_for()
 
 
 if __name__ == "__main__":

@@ -137,6 +137,39 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt batch size")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     p.add_argument("--backend", default="cpu", help="cpu, cuda or opencl")
+    add_lora_args(p)
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """--lora FILE and --lora-scaled FILE SCALE, repeatable, as llama.cpp's."""
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="LoRA adapter GGUF at scale 1 (repeatable; adapters stack)",
+    )
+    p.add_argument(
+        "--lora-scaled",
+        action="append",
+        nargs=2,
+        default=[],
+        metavar=("FILE", "SCALE"),
+        help="LoRA adapter GGUF with a scale (repeatable)",
+    )
+
+
+def lora_specs(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """The (path, scale) pairs of --lora and --lora-scaled; ``LoraError`` names a bad scale."""
+    from picollama.lora import LoraError
+
+    specs = [(path, 1.0) for path in args.lora]
+    for path, scale in args.lora_scaled:
+        try:
+            specs.append((path, float(scale)))
+        except ValueError:
+            raise LoraError(f"--lora-scaled {path}: scale {scale!r} is not a number") from None
+    return specs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         spec_kwargs = _speculative_kwargs(args)
-    except _SpecArgError as err:
+        adapters = lora_specs(args)
+    except (_SpecArgError, ValueError) as err:
         print(f"picollama-cli: error: {err}", file=sys.stderr)
         return 1
 
@@ -443,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             seed=args.seed,
             chat_template=args.chat_template,
+            lora_adapters=adapters,
             **spec_kwargs,
         )
         constraint = None

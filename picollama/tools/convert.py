@@ -1,6 +1,10 @@
 """picollama-convert: a Hugging Face checkpoint folder to one GGUF file.
 
     picollama-convert HF_DIR [-o OUT.gguf] [--outtype f32|f16|bf16|q8_0|auto]
+    picollama-convert --lora PEFT_DIR --base HF_DIR_OR_GGUF [-o ADAPTER.gguf] [--outtype f32]
+
+The second form converts a PEFT LoRA adapter as llama.cpp's ``convert_lora_to_gguf.py`` does
+(its ``--outtype`` defaults to f32 there too).
 
 Flags follow llama.cpp's ``convert_hf_to_gguf.py`` (``--outfile`` is ``-o``). Errors are one
 line on stderr and exit status 1; an interrupt exits with 130. Either way no file is left at
@@ -22,7 +26,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Convert a Hugging Face model folder (safetensors) to GGUF.",
     )
-    p.add_argument("model", metavar="HF_DIR", help="folder with config.json, weights, tokenizer")
+    p.add_argument(
+        "model", metavar="HF_DIR", nargs="?", help="folder with config.json, weights, tokenizer"
+    )
+    p.add_argument(
+        "--lora",
+        metavar="PEFT_DIR",
+        default=None,
+        help="convert this PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors)",
+    )
+    p.add_argument(
+        "--base",
+        metavar="HF_DIR_OR_GGUF",
+        default=None,
+        help="with --lora: the base model (its HF folder or its GGUF file)",
+    )
     p.add_argument(
         "-o",
         "--outfile",
@@ -32,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--outtype",
         choices=OUTTYPES,
-        default="auto",
+        default=None,
         help="tensor type of the matrices (default: auto: bf16 for a bf16 checkpoint, else "
-        "f16); 1-D tensors and norms stay f32",
+        "f16; with --lora: f32); 1-D tensors and norms stay f32",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
@@ -47,11 +65,23 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
 
     from picollama.convert import ConvertError, convert_hf_to_gguf
+    from picollama.convert.lora import convert_lora_to_gguf
 
+    if (args.lora is None) == (args.model is None):
+        print(f"{PROG}: error: give either HF_DIR or --lora PEFT_DIR", file=sys.stderr)
+        return 2
+    if args.lora is not None and args.base is None:
+        print(f"{PROG}: error: --lora needs --base (the base model)", file=sys.stderr)
+        return 2
     try:
-        out = convert_hf_to_gguf(
-            args.model, args.outfile, outtype=args.outtype, progress=not args.quiet
-        )
+        if args.lora is not None:
+            out = convert_lora_to_gguf(
+                args.lora, args.base, args.outfile, outtype=args.outtype or "f32"
+            )
+        else:
+            out = convert_hf_to_gguf(
+                args.model, args.outfile, outtype=args.outtype or "auto", progress=not args.quiet
+            )
     except ConvertError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1

@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from picollama.errors import USER_ERRORS
     from picollama.generation import Context
+    from picollama.lora import LoraSet
+    from picollama.tools.cli import lora_specs
 
     try:
         with open(args.file, encoding="utf-8") as f:
@@ -106,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             n_threads=args.threads,
             backend=args.backend,
         )
+        adapters = lora_specs(args)
+        if adapters:
+            ctx.model = LoraSet(ctx.model, adapters).model_for()
         t0 = time.perf_counter()
         tokens = ctx.tokenizer.encode(text, parse_special=True)
         print(

@@ -2,8 +2,9 @@
 
     picollama-server -m MODEL [--host 127.0.0.1] [--port 8080] [-c 4096] [-np 4] [--api-key K]
 
-Endpoints: GET /health /v1/models /props /slots /metrics; POST /v1/chat/completions
-/v1/completions /completion /tokenize /detokenize /apply-template.
+Endpoints: GET /health /v1/models /props /slots /metrics /lora-adapters; POST
+/v1/chat/completions /v1/completions /completion /tokenize /detokenize /apply-template
+/lora-adapters.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 import signal
 import sys
 import threading
+
+from picollama.tools.cli import add_lora_args, lora_specs
 
 __all__ = ["main", "build_parser"]
 
@@ -64,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body", type=int, default=8 * 1024 * 1024, help="request body limit")
     p.add_argument("--log-disable", action="store_true", help="don't log requests")
+    add_lora_args(p)
     return p
 
 
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             chat_template=args.chat_template,
             max_body_bytes=args.max_body,
             allow_template_kwargs=args.allow_chat_template_kwargs,
+            lora_adapters=lora_specs(args),
         )
         app = App(engine, config)
         httpd = make_server(
