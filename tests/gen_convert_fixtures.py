@@ -362,6 +362,11 @@ def make_phi3() -> None:
     )
     tokenizer.eos_token = "<|end|>"
     save_tokenizer(tokenizer, folder)
+    # as Phi-3's own tokenizer_config.json says (transformers 5 no longer writes the flags)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config.update(add_bos_token=False, add_eos_token=False)
+    path.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
     config = transformers.Phi3Config(
         vocab_size=len(tokenizer),
         rms_norm_eps=1e-5,
@@ -409,6 +414,15 @@ def make_gemma2() -> None:
         folder, add_bos_token=True, chat_template=GEMMA_TEMPLATE
     )
     save_tokenizer(tokenizer, folder)
+    # Gemma's own tokenizer_config.json lists its turn tokens as special added tokens
+    # (transformers 5 no longer writes added_tokens_decoder)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["added_tokens_decoder"] = {
+        str(tokenizer.convert_tokens_to_ids(text)): {"content": text, "special": True}
+        for text in ("<start_of_turn>", "<end_of_turn>")
+    }
+    path.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
     config = transformers.Gemma2Config(
         vocab_size=400,
         head_dim=16,
