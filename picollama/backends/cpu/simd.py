@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 from picollama.backends.cpu.intrinsics import CPU_ISA, HOST_FEATURES
 from picollama.gguf.constants import GGMLType
 
-__all__ = ["SIMD_TYPES", "HAS_AVX2", "HAS_VNNI", "vec_dot_rows"]
+__all__ = ["SIMD_TYPES", "HAS_AVX2", "HAS_VNNI", "HAS_AVX512BW", "vec_dot_rows"]
 
 _FEATURES = HOST_FEATURES if llvm.get_process_triple().startswith("x86_64") else ""
 HAS_AVX2 = "+avx2" in _FEATURES
@@ -47,6 +47,9 @@ HAS_AVX2 = "+avx2" in _FEATURES
 HAS_VNNI = (
     HAS_AVX2 and CPU_ISA == "native" and "+avx512vnni" in _FEATURES and "+avx512vl" in _FEATURES
 )
+# AVX512-BW: Q4_K's two sub-blocks of one 32-byte load (low and high nibbles) go through one
+# 512-bit pmaddubsw / pmaddwd, half the instructions of two 256-bit ones, same integer sums
+HAS_AVX512BW = HAS_AVX2 and CPU_ISA == "native" and "+avx512bw" in _FEATURES
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F16, F32 = ir.HalfType(), ir.FloatType()
@@ -252,24 +255,27 @@ def _k_quant_body(qtype):
         q8 = b.mul(i, ir.Constant(I64, 256))
         if qtype == GGMLType.Q4_K:
             base = b.mul(i, ir.Constant(I64, 144))
-            d = b.fmul(dy, o.load_f16(w, base))
-            dmin = b.fmul(b.fneg(dy), o.load_f16(w, b.add(base, ir.Constant(I64, 2))))
-            # the 8 6-bit scales and mins (ggml's utmp shuffle), as bytes
-            sc = [o.load(w, b.add(base, ir.Constant(I64, 4 + 4 * j)), I32) for j in range(3)]
-            km1, km2, km3 = (ir.Constant(I32, v) for v in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
-            u3 = b.or_(
-                b.and_(b.lshr(sc[2], ir.Constant(I32, 4)), km2),
-                b.shl(b.and_(b.lshr(sc[1], ir.Constant(I32, 6)), km3), ir.Constant(I32, 4)),
+            dw, mw = o.load_f16_pair(w, base)
+            d = b.fmul(dy, dw)
+            dmin = b.fmul(b.fneg(dy), mw)
+            # the 8 6-bit scales and mins (ggml's utmp shuffle) in four 32-bit lanes at once,
+            # u = [s0 & m1, (s2 & m2) | (s0 >> 2 & 0x30..),
+            #      s1 & m1, (s2 >> 4 & m2) | (s1 >> 2 & 0x30..)]
+            # where ((s >> 6) & 0x03..) << 4 is (s >> 2) & 0x30.. byte by byte
+            v4 = _vec(I32, 4)
+            sc = o.load(w, b.add(base, ir.Constant(I64, 4)), v4)  # scales[12] + 4 bytes of qs
+            a_ = b.shuffle_vector(sc, sc, _mask([0, 2, 1, 2]))
+            b_ = b.shuffle_vector(sc, sc, _mask([0, 0, 1, 1]))
+            km1, km2, k30 = 0x3F3F3F3F, 0x0F0F0F0F, 0x30303030
+            lo = b.and_(
+                b.lshr(a_, ir.Constant(v4, [ir.Constant(I32, c) for c in (0, 0, 0, 4)])),
+                ir.Constant(v4, [ir.Constant(I32, c) for c in (km1, km2, km1, km2)]),
             )
-            u2 = b.and_(sc[1], km1)
-            u1 = b.or_(
-                b.and_(sc[2], km2),
-                b.shl(b.and_(b.lshr(sc[0], ir.Constant(I32, 6)), km3), ir.Constant(I32, 4)),
+            hi = b.and_(
+                b.lshr(b_, _splat(I32, 4, 2)),
+                ir.Constant(v4, [ir.Constant(I32, c) for c in (0, k30, 0, k30)]),
             )
-            u0 = b.and_(sc[0], km1)
-            u = ir.Constant(_vec(I32, 4), None)
-            for j, v in enumerate((u0, u1, u2, u3)):
-                u = b.insert_element(u, v, ir.Constant(I32, j))
+            u = b.or_(lo, hi)
             bytes16 = b.bitcast(u, _vec(I8, 16))
             ms = b.zext(bytes16, _vec(I16, 16))  # scales in lanes 0..7, mins in 8..15
             # mins . (bsums summed in pairs), fmadd into a 4-lane accumulator
@@ -296,18 +302,21 @@ def _k_quant_body(qtype):
                 _mask([0] * 4),
             )
             acc_m = b.call(fn, [dmin4, b.sitofp(prod4, _vec(F32, 4)), acc_m])
-            sumi = _splat(I32, 8, 0)
-            for j in range(4):
-                sl = b.shuffle_vector(ms, ms, _mask([2 * j] * 16))
-                sh = b.shuffle_vector(ms, ms, _mask([2 * j + 1] * 16))
-                q4 = o.load(w, b.add(base, ir.Constant(I64, 16 + 32 * j)), _vec(I8, 32))
-                q4l = b.and_(q4, _splat(I8, 32, 0x0F))
-                q4h = b.lshr(q4, _splat(I8, 32, 4))
-                q8l = o.load(xq, b.add(q8, ir.Constant(I64, 64 * j)), _vec(I8, 32))
-                q8h = o.load(xq, b.add(q8, ir.Constant(I64, 64 * j + 32)), _vec(I8, 32))
-                pl = o.maddwd(sl, o.maddubs(q4l, q8l))
-                ph = o.maddwd(sh, o.maddubs(q4h, q8h))
-                sumi = b.add(sumi, b.add(pl, ph))
+            if HAS_AVX512BW:
+                sumi = _q4_k_sumi_512(o, w, base, xq, q8, ms)
+            else:
+                sumi = _splat(I32, 8, 0)
+                for j in range(4):
+                    sl = b.shuffle_vector(ms, ms, _mask([2 * j] * 16))
+                    sh = b.shuffle_vector(ms, ms, _mask([2 * j + 1] * 16))
+                    q4 = o.load(w, b.add(base, ir.Constant(I64, 16 + 32 * j)), _vec(I8, 32))
+                    q4l = b.and_(q4, _splat(I8, 32, 0x0F))
+                    q4h = b.lshr(q4, _splat(I8, 32, 4))
+                    q8l = o.load(xq, b.add(q8, ir.Constant(I64, 64 * j)), _vec(I8, 32))
+                    q8h = o.load(xq, b.add(q8, ir.Constant(I64, 64 * j + 32)), _vec(I8, 32))
+                    pl = o.maddwd(sl, o.maddubs(q4l, q8l))
+                    ph = o.maddwd(sh, o.maddubs(q4h, q8h))
+                    sumi = b.add(sumi, b.add(pl, ph))
             acc = o.fma8(o.splat8(d), b.sitofp(sumi, _vec(F32, 8)), acc)
             return acc, acc_m
         # Q6_K: ql[128], qh[64], scales[16] (int8), d
@@ -341,6 +350,36 @@ def _k_quant_body(qtype):
         return acc, summs
 
     return step
+
+
+def _q4_k_sumi_512(o: _Ops, w, base, xq, q8, ms):
+    """Q4_K's integer sums with 512-bit vectors: the 8 int32 lanes of ggml's ``sumi``.
+
+    Each 32-byte load of quants holds sub-block 2j (low nibbles) and 2j+1 (high); one
+    512-bit pmaddubsw takes both against their 64 activation bytes, and one pmaddwd scales
+    lanes 0..15 by scale 2j and 16..31 by scale 2j+1. Lane k of the 16-lane sum is ggml's
+    ``pl`` lane k summed over j, lane 8 + k its ``ph``: their sum is ggml's sumi, exactly.
+    """
+    b = o.b
+    maddubs = o._intrinsic(
+        "llvm.x86.avx512.pmaddubs.w.512", _vec(I16, 32), [_vec(I8, 64), _vec(I8, 64)]
+    )
+    maddwd = o._intrinsic(
+        "llvm.x86.avx512.pmaddw.d.512", _vec(I32, 16), [_vec(I16, 32), _vec(I16, 32)]
+    )
+    sumi = _splat(I32, 16, 0)
+    for j in range(4):
+        q4 = o.load(w, b.add(base, ir.Constant(I64, 16 + 32 * j)), _vec(I8, 32))
+        q4x = b.shuffle_vector(
+            b.and_(q4, _splat(I8, 32, 0x0F)), b.lshr(q4, _splat(I8, 32, 4)), _mask(range(64))
+        )
+        q8x = o.load(xq, b.add(q8, ir.Constant(I64, 64 * j)), _vec(I8, 64))
+        sc = b.shuffle_vector(ms, ms, _mask([2 * j] * 16 + [2 * j + 1] * 16))
+        sumi = b.add(sumi, b.call(maddwd, [sc, b.call(maddubs, [q4x, q8x])]))
+    return b.add(
+        b.shuffle_vector(sumi, sumi, _mask(range(8))),
+        b.shuffle_vector(sumi, sumi, _mask(range(8, 16))),
+    )
 
 
 _LEGACY = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0)
