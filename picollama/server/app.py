@@ -181,6 +181,12 @@ class App:
             ),
             ("n_decode_total", "counter", "Engine steps (batched decode calls).", s.n_steps),
             (
+                "n_busy_slots_per_decode",
+                "gauge",
+                "Average number of slots in one engine step.",
+                s.n_slot_steps / s.n_steps if s.n_steps else 0.0,
+            ),
+            (
                 "requests_processing",
                 "gauge",
                 "Number of requests processing (slots in use).",

@@ -182,6 +182,7 @@ class Scheduler:
         self.n_prompt_tokens_cached = 0
         self.n_tokens_predicted_total = 0
         self.n_steps = 0
+        self.n_slot_steps = 0  # sum over steps of the slots in each (batch occupancy)
         self.t_prompt_total = 0.0
         self.t_predict_total = 0.0
 
@@ -355,6 +356,7 @@ class Scheduler:
             return
         dt = time.perf_counter() - t0
         self.n_steps += 1
+        self.n_slot_steps += len(active)
         n_total = sum(len(t) for _, t in batch)
         for s, (_, tokens), logits in zip(active, batch, all_logits, strict=True):
             share = dt * len(tokens) / n_total
