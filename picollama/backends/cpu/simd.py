@@ -323,29 +323,41 @@ def _k_quant_body(qtype):
         base = b.mul(i, ir.Constant(I64, 210))
         d = b.fmul(dy, o.load_f16(w, b.add(base, ir.Constant(I64, 208))))
         scales = b.sext(o.load(w, b.add(base, ir.Constant(I64, 192)), _vec(I8, 16)), _vec(I16, 16))
-        sumi = _splat(I32, 8, 0)
-        m4, m3 = _splat(I8, 32, 0x0F), _splat(I8, 32, 3)
-        for j in range(2):
-            ql1 = o.load(w, b.add(base, ir.Constant(I64, 64 * j)), _vec(I8, 32))
-            ql2 = o.load(w, b.add(base, ir.Constant(I64, 64 * j + 32)), _vec(I8, 32))
-            qh = o.load(w, b.add(base, ir.Constant(I64, 128 + 32 * j)), _vec(I8, 32))
-            hs = [
-                b.shl(b.and_(b.lshr(qh, _splat(I8, 32, 2 * t)), m3), _splat(I8, 32, 4))
-                for t in range(4)
-            ]
-            q6 = [
-                b.or_(b.and_(ql1, m4), hs[0]),
-                b.or_(b.and_(ql2, m4), hs[1]),
-                b.or_(b.lshr(ql1, _splat(I8, 32, 4)), hs[2]),
-                b.or_(b.lshr(ql2, _splat(I8, 32, 4)), hs[3]),
-            ]
-            for t in range(4):
-                q8t = o.load(xq, b.add(q8, ir.Constant(I64, 128 * j + 32 * t)), _vec(I8, 32))
-                p16 = b.sub(o.maddubs(q6[t], q8t), o.maddubs(_splat(I8, 32, 32), q8t))
-                # get_scale_shuffle(is): scale 2*is in lanes 0..7, 2*is + 1 in lanes 8..15
-                s = 4 * j + t
-                sc = b.shuffle_vector(scales, scales, _mask([2 * s] * 8 + [2 * s + 1] * 8))
-                sumi = b.add(sumi, o.maddwd(sc, p16))
+        # The quants are q - 32 with q in 0..63. ggml subtracts 32 * q8 pair by pair
+        # (pmaddubsw of 32s); we take the same integer total as sum(scale_g * q * q8) minus
+        # 32 * sum(scale_g * bsum_g), the Q8_K group sums, in one pmaddwd per super-block.
+        # The int32 lanes hold other partial sums than ggml's, so the float result may
+        # differ from ggml's in float32 rounding (its own AVX2 and generic code differ so).
+        bs = o.load(
+            b.bitcast(bsums, I8.as_pointer()), b.mul(i, ir.Constant(I64, 64)), _vec(I32, 16)
+        )
+        corr = o.maddwd(scales, b.trunc(bs, _vec(I16, 16)))  # |bsum| <= 16 * 128
+        if HAS_AVX512BW:
+            sumi = _q6_k_sumi_512(o, w, base, xq, q8, scales)
+        else:
+            sumi = _splat(I32, 8, 0)
+            m4, m3 = _splat(I8, 32, 0x0F), _splat(I8, 32, 3)
+            for j in range(2):
+                ql1 = o.load(w, b.add(base, ir.Constant(I64, 64 * j)), _vec(I8, 32))
+                ql2 = o.load(w, b.add(base, ir.Constant(I64, 64 * j + 32)), _vec(I8, 32))
+                qh = o.load(w, b.add(base, ir.Constant(I64, 128 + 32 * j)), _vec(I8, 32))
+                hs = [
+                    b.shl(b.and_(b.lshr(qh, _splat(I8, 32, 2 * t)), m3), _splat(I8, 32, 4))
+                    for t in range(4)
+                ]
+                q6 = [
+                    b.or_(b.and_(ql1, m4), hs[0]),
+                    b.or_(b.and_(ql2, m4), hs[1]),
+                    b.or_(b.lshr(ql1, _splat(I8, 32, 4)), hs[2]),
+                    b.or_(b.lshr(ql2, _splat(I8, 32, 4)), hs[3]),
+                ]
+                for t in range(4):
+                    q8t = o.load(xq, b.add(q8, ir.Constant(I64, 128 * j + 32 * t)), _vec(I8, 32))
+                    # get_scale_shuffle(is): scale 2*is in lanes 0..7, 2*is + 1 in lanes 8..15
+                    s_ = 4 * j + t
+                    sc = b.shuffle_vector(scales, scales, _mask([2 * s_] * 8 + [2 * s_ + 1] * 8))
+                    sumi = b.add(sumi, o.maddwd(sc, o.maddubs(q6[t], q8t)))
+        sumi = b.sub(sumi, b.shl(corr, _splat(I32, 8, 5)))
         acc = o.fma8(o.splat8(d), b.sitofp(sumi, _vec(F32, 8)), acc)
         return acc, summs
 
@@ -376,6 +388,58 @@ def _q4_k_sumi_512(o: _Ops, w, base, xq, q8, ms):
         q8x = o.load(xq, b.add(q8, ir.Constant(I64, 64 * j)), _vec(I8, 64))
         sc = b.shuffle_vector(ms, ms, _mask([2 * j] * 16 + [2 * j + 1] * 16))
         sumi = b.add(sumi, b.call(maddwd, [sc, b.call(maddubs, [q4x, q8x])]))
+    return b.add(
+        b.shuffle_vector(sumi, sumi, _mask(range(8))),
+        b.shuffle_vector(sumi, sumi, _mask(range(8, 16))),
+    )
+
+
+def _q6_k_sumi_512(o: _Ops, w, base, xq, q8, scales):
+    """Q6_K's sum(scale_g * q * q8) with 512-bit vectors, in the 8 int32 lanes of the
+    256-bit code's ``sumi`` (lanes 8..15 of each 512-bit pmaddwd fold onto 0..7).
+
+    Half j of the block (128 weights) holds ql[64 j .. 64 j + 63] (low nibbles: weights
+    0..63 of the half, high nibbles: 64..127) and qh[32 j .. 32 j + 31] (bit pairs 0..3 the
+    top bits of the four 32-weight runs), so two 512-bit registers cover a half, each
+    against 64 contiguous activation bytes."""
+    b = o.b
+    maddubs = o._intrinsic(
+        "llvm.x86.avx512.pmaddubs.w.512", _vec(I16, 32), [_vec(I8, 64), _vec(I8, 64)]
+    )
+    maddwd = o._intrinsic(
+        "llvm.x86.avx512.pmaddw.d.512", _vec(I32, 16), [_vec(I16, 32), _vec(I16, 32)]
+    )
+    v32, v64 = _vec(I8, 32), _vec(I8, 64)
+    sumi = _splat(I32, 16, 0)
+    for j in range(2):
+        ql = o.load(w, b.add(base, ir.Constant(I64, 64 * j)), v64)
+        qh = o.load(w, b.add(base, ir.Constant(I64, 128 + 32 * j)), v32)
+        top = [  # bits 2t, 2t + 1 of qh moved to bits 4, 5
+            b.and_(
+                b.shl(qh, _splat(I8, 32, 4)) if t == 0 else b.shl(qh, _splat(I8, 32, 2)),
+                _splat(I8, 32, 0x30),
+            )
+            if t < 2
+            else b.and_(qh if t == 2 else b.lshr(qh, _splat(I8, 32, 2)), _splat(I8, 32, 0x30))
+            for t in range(4)
+        ]
+        halves = (
+            b.or_(
+                b.and_(ql, _splat(I8, 64, 0x0F)), b.shuffle_vector(top[0], top[1], _mask(range(64)))
+            ),
+            b.or_(
+                b.lshr(ql, _splat(I8, 64, 4)), b.shuffle_vector(top[2], top[3], _mask(range(64)))
+            ),
+        )
+        for h, q6 in enumerate(halves):
+            q8x = o.load(xq, b.add(q8, ir.Constant(I64, 128 * j + 64 * h)), v64)
+            s0, s1 = 4 * j + 2 * h, 4 * j + 2 * h + 1
+            sc = b.shuffle_vector(
+                scales,
+                scales,
+                _mask([2 * s0] * 8 + [2 * s0 + 1] * 8 + [2 * s1] * 8 + [2 * s1 + 1] * 8),
+            )
+            sumi = b.add(sumi, b.call(maddwd, [sc, b.call(maddubs, [q6, q8x])]))
     return b.add(
         b.shuffle_vector(sumi, sumi, _mask(range(8))),
         b.shuffle_vector(sumi, sumi, _mask(range(8, 16))),
