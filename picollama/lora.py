@@ -142,6 +142,7 @@ class LoraAdapter:
             try:
                 wa = backend.weight(a.name, a.type, tuple(a.shape), a.data)
                 wb = backend.weight(b.name, b.type, tuple(b.shape), b.data)
+                wa, wb = backend.lora_weights(wa, wb)
             except BackendError as err:
                 raise self._fail(str(err)) from None
             self.pairs[name] = _Pair(base, wa, wb)

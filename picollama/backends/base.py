@@ -139,6 +139,11 @@ class Backend(ABC):
         gate, up = self.matmul_many(x, (w_gate, w_up))
         return self.silu_mul(gate, up) if act == "silu" else self.gelu_mul(gate, up)
 
+    def lora_weights(self, a: Weight, b: Weight) -> tuple[Weight, Weight]:
+        """A LoRA adapter's pair as ``lora_add`` will take it: a backend may lay its small
+        matrices out anew here, once at load (optional, default: as loaded)."""
+        return a, b
+
     def lora_add(self, y: Array, x: Array, a: Weight, b: Weight, s: float) -> Array:
         """``y + s * (x @ A.T) @ B.T``: a LoRA adapter's term on the projection ``y`` of ``x``
         (``a``: r rows of k inputs, ``b``: m rows of r). ``y`` is not written (optional,

@@ -112,11 +112,16 @@ class CPUBackend(Backend):
             return fused(gate, up)
         return ops.silu_mul(gate, up) if act == "silu" else ops.gelu_mul(gate, up)
 
-    def lora_add(self, y, x, a: Weight, b: Weight, s: float) -> np.ndarray:
-        # F32/F16 adapters (llama.cpp's converter writes those) in one fused pass, which the
-        # compiled decode step calls too; other types as two matmuls
+    def lora_weights(self, a: Weight, b: Weight) -> tuple[Weight, Weight]:
+        # F32/F16 adapters (llama.cpp's converter writes those) run fused, with B transposed
         if a.type in lora_kernels.LORA_TYPES and b.type in lora_kernels.LORA_TYPES:
-            return lora_kernels.lora_add(y, x, a.data, a.type, b.data, b.type, s)
+            return a, lora_kernels.transpose_b(b)
+        return a, b
+
+    def lora_add(self, y, x, a: Weight, b: Weight, s: float) -> np.ndarray:
+        # one fused pass, which the compiled decode step calls too; other types as matmuls
+        if isinstance(b, lora_kernels.LoraB):
+            return lora_kernels.lora_add(y, x, a, b, s)
         return super().lora_add(y, x, a, b, s)
 
     def get_rows(self, w: Weight, ids: np.ndarray) -> np.ndarray:

@@ -2,32 +2,56 @@
 
 A LoRA adapter adds ``s * B (A x)`` to a base projection ``W x``, with ``A`` of ``r`` rows
 of ``k`` inputs and ``B`` of ``m`` rows of ``r`` inputs, ``r`` small (8 to 64). Both are
-F32 or F16 rows, as llama.cpp's ``convert_lora_to_gguf`` writes them. Two matmuls, a scale
-and an add op by op would cost four short ops per projection; here it is one pass over the
+F32 or F16, as llama.cpp's ``convert_lora_to_gguf`` writes them. Two matmuls, a scale and an
+add op by op would cost four short ops per projection; here it is one pass over the
 adapter's rows, called by ``CPUBackend.lora_add`` and by the compiled decode step (``step``),
 so both give the same floats.
 
-Each dot is the float row dot the CPU backend's matmul uses (``kernels_float``: float32
-sums per chunk of 32, float64 across chunks), so a F32/F16 LoRA term is what
-``matmul(matmul(x, A), B)`` would give row by row.
+``t = s * A x`` is ``r`` float row dots (``kernels_float``: float32 sums per chunk of 32,
+float64 across chunks). ``B t`` would be ``m`` dots of only ``r`` terms each, where the
+per-row overhead costs more than the arithmetic (3-4x a streaming pass on a rank-16
+SmolLM2 adapter); so ``B`` is kept transposed, ``r`` rows of ``m`` (``transpose_b``, a
+copy of the adapter made once at load), and ``B t`` is ``r`` vector updates of ``m`` floats.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import numba as nb
 import numpy as np
 from numba import prange
 
+from picollama.backends.base import Weight
+from picollama.backends.cpu.intrinsics import FASTMATH, load_f16, load_f32
 from picollama.backends.cpu.kernels_float import vdot_f16, vdot_f32
 from picollama.gguf.constants import GGMLType
 
-__all__ = ["LORA_TYPES", "lora_add", "lora_rows"]
+__all__ = ["LORA_TYPES", "LoraB", "transpose_b", "lora_add", "lora_rows"]
 
 LORA_TYPES = (GGMLType.F32, GGMLType.F16)
 
-# below this many adapter weights per row of x, one thread does it all (a parallel region
-# costs more than it saves on a rank-16 adapter of a small model)
+# from this many adapter weights times rows of x on, the rows run in parallel (a parallel
+# region costs more than it saves on one token of a rank-16 adapter of a small model)
 _PARALLEL_MIN_WORK = 1 << 20
+_F32 = np.float32
+
+
+@dataclass
+class LoraB(Weight):
+    """A lora_b weight (m rows of r) with its entries also as ``r`` rows of ``m``:
+    ``t_data``, uint8 (r, m * 4) for F32 or (r, m * 2) for F16."""
+
+    t_data: Any = None
+
+
+def transpose_b(b: Weight) -> LoraB:
+    """``b`` with its transposed copy (F32/F16 only)."""
+    dtype = np.float16 if b.type == GGMLType.F16 else np.float32
+    r, m = b.k, b.m
+    t = np.ascontiguousarray(np.asarray(b.data).view(dtype).reshape(m, r).T)
+    return LoraB(b.name, b.type, b.shape, b.data, t.view(np.uint8).reshape(r, -1))
 
 
 @nb.njit(inline="always")
@@ -37,47 +61,57 @@ def _dot(x, w, row, k, f16):
     return vdot_f32(x, w, row, k)
 
 
+@nb.njit(cache=True, fastmath=FASTMATH)
+def _row(x, a, a_f16, bt, b_f16, s, y, out, t):
+    """One row: ``out = y + (s * A x) @ B.T`` with ``bt`` holding B transposed."""
+    k, r, m = x.shape[0], a.shape[0], out.shape[0]
+    for j in range(r):
+        t[j] = _F32(_dot(x, a, j, k, a_f16)) * s
+    for o in range(m):
+        out[o] = _F32(0.0)
+    for j in range(r):
+        tj = t[j]
+        if b_f16:
+            for o in range(m):
+                out[o] += tj * load_f16(bt, j, 2 * o)
+        else:
+            for o in range(m):
+                out[o] += tj * load_f32(bt, j, 4 * o)
+    for o in range(m):
+        out[o] = y[o] + out[o]
+
+
 @nb.njit(cache=True)
-def _rows_serial(x, a, a_f16, b, b_f16, s, y, out):
-    k, r, m = x.shape[1], a.shape[0], b.shape[0]
-    t = np.empty(r, np.float32)
+def _rows_serial(x, a, a_f16, bt, b_f16, s, y, out):
+    t = np.empty(a.shape[0], np.float32)
     for i in range(x.shape[0]):
-        xi = x[i]
-        for j in range(r):
-            t[j] = np.float32(_dot(xi, a, j, k, a_f16))
-        for o in range(m):
-            out[i, o] = y[i, o] + s * np.float32(_dot(t, b, o, r, b_f16))
+        _row(x[i], a, a_f16, bt, b_f16, s, y[i], out[i], t)
 
 
 @nb.njit(cache=True, parallel=True)
-def _rows_parallel(x, a, a_f16, b, b_f16, s, y, out):
-    k, r, m = x.shape[1], a.shape[0], b.shape[0]
-    t = np.empty((x.shape[0], r), np.float32)
+def _rows_parallel(x, a, a_f16, bt, b_f16, s, y, out):
     for i in prange(x.shape[0]):
-        for j in range(r):
-            t[i, j] = np.float32(_dot(x[i], a, j, k, a_f16))
-    for i in range(x.shape[0]):
-        ti = t[i]
-        for o in prange(m):
-            out[i, o] = y[i, o] + s * np.float32(_dot(ti, b, o, r, b_f16))
+        t = np.empty(a.shape[0], np.float32)
+        _row(x[i], a, a_f16, bt, b_f16, s, y[i], out[i], t)
 
 
 @nb.njit(cache=True)
-def lora_rows(x, a, a_f16, b, b_f16, s, y, out):
-    """``out = y + s * (x @ A.T) @ B.T``; x (n, k) and y, out (n, m) float32, ``a`` and ``b``
-    the adapter's raw rows (uint8, (r, k * size) and (m, r * size)), ``*_f16`` their type."""
-    work = x.shape[0] * (a.shape[0] * x.shape[1] + b.shape[0] * a.shape[0])
-    if work >= _PARALLEL_MIN_WORK:
-        _rows_parallel(x, a, a_f16, b, b_f16, s, y, out)
+def lora_rows(x, a, a_f16, bt, b_f16, s, y, out):
+    """``out = y + s * (x @ A.T) @ B.T``; x (n, k) and y, out (n, m) float32 (``out`` not
+    ``y``), ``a`` A's raw rows (uint8 (r, k * size)), ``bt`` B's transposed raw rows (uint8
+    (r, m * size)), ``*_f16`` their type (else F32)."""
+    work = x.shape[0] * a.shape[0] * (x.shape[1] + out.shape[1])
+    if work >= _PARALLEL_MIN_WORK and x.shape[0] > 1:
+        _rows_parallel(x, a, a_f16, bt, b_f16, s, y, out)
     else:
-        _rows_serial(x, a, a_f16, b, b_f16, s, y, out)
+        _rows_serial(x, a, a_f16, bt, b_f16, s, y, out)
 
 
-def lora_add(y: np.ndarray, x: np.ndarray, a, a_type, b, b_type, s: float) -> np.ndarray:
+def lora_add(y: np.ndarray, x: np.ndarray, a: Weight, b: LoraB, s: float) -> np.ndarray:
     """The LoRA term added to ``y``, in a new array (``y`` is not written)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     y = np.ascontiguousarray(y, dtype=np.float32)
     out = np.empty_like(y)
     f16 = GGMLType.F16
-    lora_rows(x, a, a_type == f16, b, b_type == f16, np.float32(s), y, out)
+    lora_rows(x, a.data, a.type == f16, b.t_data, b.type == f16, np.float32(s), y, out)
     return out

@@ -26,10 +26,10 @@ import numpy as np
 from numba import prange
 from numba.typed import List
 
-from picollama.backends.base import BackendError
+from picollama.backends.base import BackendError, Weight
 from picollama.backends.cpu import attention as _attn
 from picollama.backends.cpu import ggml_math, kernels, ops
-from picollama.backends.cpu.lora_kernels import LORA_TYPES, lora_rows
+from picollama.backends.cpu.lora_kernels import LoraB, lora_rows
 from picollama.backends.cpu.qdot import simd_quantize, simd_rows
 from picollama.backends.cpu.qdot_act import f32_to_f16_bits
 from picollama.backends.cpu.simd import SIMD_TYPES
@@ -223,7 +223,7 @@ def _run(code, fargs, ws, wtypes, consts, arena, k_cache, v_cache, pos, n_tasks,
             else:
                 _attn._serial(q, kc, vc, pos, scale, c[6], softcap, out, True)
         elif op == _OP_LORA:
-            # [op, x, k, a_wid, b_wid, y, dst, m]; fargs: scale
+            # [op, x, k, a_wid, bt_wid, y, dst, m]; fargs: scale
             k, m = c[2], c[7]
             x = arena[c[1] : c[1] + k].reshape(1, k)
             y = arena[c[5] : c[5] + m].reshape(1, m)
@@ -427,9 +427,13 @@ class _Tracer:
 
     def lora_add(self, y, x, a, b, s):
         x, y = self._sym(x), self._sym(y)
+        if not isinstance(b, LoraB):
+            raise Untraceable(f"LoRA weights of types {a.type.name}, {b.type.name}")
         if x.shape[0] != 1 or x.size != a.k or b.k != a.m or y.size != b.m:
             raise Untraceable("a LoRA term of several rows")
-        a_id, b_id = self._weight(a, LORA_TYPES), self._weight(b, LORA_TYPES)
+        a_id = self._weight(a, (a.type,))
+        # the program's weight list holds raw rows: B's transposed ones
+        b_id = self._weight(Weight(b.name, b.type, b.shape, b.t_data), (b.type,))
         out = self._new(y.shape)
         ints = [x.offset, a.k, a_id, b_id, y.offset, out.offset, b.m]
         self._emit(_OP_LORA, ints, (float(s),))
