@@ -41,6 +41,8 @@ REFS = np.load(PEFT / "logits.npz")
 # magnitude below what a wrong alpha/rank, an unpermuted lora_b or a transposed pair gives
 # (the logits move by O(1): see test_adapters_move_the_logits).
 REL_ERROR = {"f32": 1e-4, "f16": 5e-3}
+# GPU backends: F32 matmuls whose sums run in another order, F16 adapter a1 (5e-3 above)
+GPU_REL_ERROR = 1e-2
 # scales of (a1, a2) for each frozen reference
 CASES = {"base": (0.0, 0.0), "a1": (1.0, 0.0), "a2": (0.0, 1.0), "both": (1.0, 1.0)}
 CASES["a1_half"] = (0.5, 0.0)
@@ -467,3 +469,32 @@ def test_server_no_cross_talk_between_adapters(lora_server):
         answers = list(pool.map(lambda j: _complete(port, LORA_SETS[j[0]], prompts[j[1]]), jobs))
     for job, answer in zip(jobs, answers, strict=True):
         assert answer == lone[job], job
+
+
+# -- GPU backends ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cuda", "opencl"])
+def test_gpu_backends_apply_adapters(files, name):
+    """The backend's default lora_add (two matmuls, a scale, an add) on a GPU: prefill and
+    single-token steps (CUDA replays recorded steps) follow the adapters."""
+    from picollama.backends.base import BackendError
+
+    try:
+        backend = get_backend(name)
+    except BackendError as err:
+        pytest.skip(f"{name} backend unavailable here: {err}")
+    ctx = Context(files["base"], n_ctx=64, backend=backend)
+    try:
+        adapters = LoraSet(ctx.model, [(files["a1-f16"], 1.0), (files["a2-f32"], 1.0)])
+        ids = REFS["ids"].tolist()
+        for case in ("both", "a1", "base"):
+            got = _logits(ctx, adapters.model_for(CASES[case]), ids)
+            assert _rel(got, REFS[case]) < GPU_REL_ERROR, case
+            ctx.reset()
+            ctx.eval(ids[:4])
+            steps = np.array([ctx.eval([tok]) for tok in ids[4:]])
+            assert _rel(steps, REFS[case][4:]) < GPU_REL_ERROR, case
+        adapters.close()
+    finally:
+        ctx.close()
