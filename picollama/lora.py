@@ -23,8 +23,11 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from picollama.backends.base import BackendError, Weight
 from picollama.gguf import GGUFError, GGUFReader
+from picollama.gguf.constants import GGMLType
 
 __all__ = [
     "LoraError",
@@ -53,10 +56,11 @@ class _Pair:
     base: Weight
     a: Weight  # r rows of base.k inputs
     b: Weight  # base.m rows of r inputs
+    rank: int  # r as in the file (a backend may hold it padded with zeros)
 
-    @property
-    def rank(self) -> int:
-        return self.a.m
+
+# bytes per entry of the float types a rank can be padded in
+_FLOAT_ENTRY = {GGMLType.F32: 4, GGMLType.F16: 2, GGMLType.BF16: 2}
 
 
 class LoraAdapter:
@@ -139,13 +143,37 @@ class LoraAdapter:
                     f"'{name}': lora_a {list(a.shape)} has rank {a.shape[1]} but lora_b "
                     f"{list(b.shape)} has rank {b.shape[0]}"
                 )
+            wa, wb = self._take(backend, a, b)
+            self.pairs[name] = _Pair(base, wa, wb, int(a.shape[1]))
+
+    def _take(self, backend, a, b) -> tuple[Weight, Weight]:
+        """The pair on the backend. GPU kernels read rows in blocks of 32 (or 256) weights,
+        which a lora_b row of r = 8 or 16 is not: there the rank is padded with zeros (zero
+        rows of A, zero columns of B), which leaves B A unchanged."""
+        try:
+            wa = backend.weight(a.name, a.type, tuple(a.shape), a.data)
+            wb = backend.weight(b.name, b.type, tuple(b.shape), b.data)
+            return backend.lora_weights(wa, wb)
+        except BackendError as err:
+            first = err
+        entry = _FLOAT_ENTRY.get(b.type)
+        r, m = int(a.shape[1]), int(b.shape[1])
+        for multiple in (32, 256):
+            rp = -(-r // multiple) * multiple
+            if entry is None or rp == r:
+                continue
+            a_rows = np.asarray(a.data).reshape(r, -1)
+            a_pad = np.zeros((rp, a_rows.shape[1]), np.uint8)
+            a_pad[:r] = a_rows
+            b_pad = np.zeros((m, rp * entry), np.uint8)
+            b_pad[:, : r * entry] = np.asarray(b.data).reshape(m, r * entry)
             try:
-                wa = backend.weight(a.name, a.type, tuple(a.shape), a.data)
-                wb = backend.weight(b.name, b.type, tuple(b.shape), b.data)
-                wa, wb = backend.lora_weights(wa, wb)
-            except BackendError as err:
-                raise self._fail(str(err)) from None
-            self.pairs[name] = _Pair(base, wa, wb)
+                wa = backend.weight(a.name, a.type, (int(a.shape[0]), rp), a_pad.reshape(-1))
+                wb = backend.weight(b.name, b.type, (rp, m), b_pad.reshape(-1))
+                return backend.lora_weights(wa, wb)
+            except BackendError:
+                continue
+        raise self._fail(str(first))
 
     def term_scale(self, pair: _Pair, scale: float) -> float:
         return scale * self.alpha / pair.rank if self.alpha else scale
@@ -338,9 +366,6 @@ def write_random_adapter(
     ``ggml_type`` is F16 (default) or F32; ``alpha`` defaults to ``rank`` (scale 1). The
     terms are about a tenth of a typical activation, so outputs move without diverging.
     """
-    import numpy as np
-
-    from picollama.gguf.constants import GGMLType
     from picollama.gguf.writer import GGUFWriter
 
     ggml_type = GGMLType.F16 if ggml_type is None else GGMLType(ggml_type)
