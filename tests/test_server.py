@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 KEY = "sk-test-key"
@@ -180,6 +181,73 @@ def test_prefix_reuse_across_slots(server):
     # slot 1 never saw this prompt: the shared prefix was copied from slot 0's cache
     assert b["timings"]["cache_n"] >= len(prompt) // 8
     assert b["timings"]["prompt_n"] <= 4
+
+
+def test_prefix_tree_outlives_its_slot(server):
+    """A prefix stays shared after the slot that computed it has moved on to another prompt,
+    and an answer built on it equals the one computed from scratch."""
+    prompt = "In a quiet harbour town, an old sailor mends his nets and tells stories. "
+    first = {"prompt": prompt + "One", "n_predict": 6, "temperature": 0, "id_slot": 2}
+    assert server.post("/completion", first)[0] == 200
+    other = {"prompt": "Something else entirely.", "n_predict": 1, "id_slot": 2}
+    assert server.post("/completion", other)[0] == 200  # slot 2 no longer holds the prefix
+    body = {"prompt": prompt + "Two", "n_predict": 6, "temperature": 0, "id_slot": 3}
+    status, reused, _ = server.post("/completion", body)
+    assert status == 200 and reused["id_slot"] == 3
+    assert reused["timings"]["cache_n"] >= 10 and reused["timings"]["prompt_n"] <= 3
+    assert server.metric("prefix_cache_tokens") >= reused["timings"]["cache_n"]
+    # under 64 prompt tokens the reused prefix gives the same logits as a whole prefill
+    fresh = server.post("/completion", {**body, "cache_prompt": False, "id_slot": 1})[1]
+    assert fresh["timings"]["cache_n"] == 0
+    assert reused["content"] == fresh["content"]
+
+
+class _Cache:
+    """A KV cache's shape as the prefix tree sees it: per-layer arrays indexed by position."""
+
+    def __init__(self, n_layers=2, n_ctx=16):
+        self.n_ctx = n_ctx
+        self.k = [np.zeros((n_ctx, 2, 3), np.uint16) for _ in range(n_layers)]
+        self.v = [np.zeros((n_ctx, 2, 3), np.uint16) for _ in range(n_layers)]
+
+    def fill(self, tokens):  # rows that depend on the whole prefix, as real KV does
+        for pos in range(len(tokens)):
+            code = (hash(tuple(tokens[: pos + 1])) % 60000) + 1
+            for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+                k[pos] = code + layer
+                v[pos] = code + 7 * layer
+        return self
+
+
+def test_prefix_tree_unit():
+    from picollama.server.prefix_tree import PrefixTree
+
+    a, b, c = [1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9], [7, 7, 7]
+    tree = PrefixTree(capacity=10)
+    assert tree.insert("m", a, _Cache().fill(a)) == 5
+    assert tree.match("m", [1, 2, 3, 8]) == 3 and tree.match("other view", a) == 0
+    assert tree.insert("m", b, _Cache().fill(b)) == 3  # splits the edge after [1, 2, 3]
+    assert tree.n_tokens == 8 and tree.match("m", a) == 5 and tree.match("m", b) == 6
+    assert tree.insert("m", a, _Cache().fill(a)) == 0  # nothing new
+    # restore copies exactly positions start..reached, from both edges of b's path
+    dst, want = _Cache(), _Cache().fill(b)
+    assert tree.restore("m", b, dst, 1, 5) == 5
+    for layer in range(2):
+        assert np.array_equal(dst.k[layer][1:5], want.k[layer][1:5])
+        assert np.array_equal(dst.v[layer][1:5], want.v[layer][1:5])
+        assert not dst.k[layer][0].any() and not dst.k[layer][5:].any()
+    assert tree.restore("m", [6, 6], dst, 0, 2) == 0
+    # full: the least recently used leaf goes ([4, 5]: b was restored after a's last use)
+    assert tree.insert("m", c, _Cache().fill(c)) == 3
+    assert tree.n_tokens == 9 and tree.match("m", a) == 3 and tree.match("m", b) == 6
+    assert tree.match("m", c) == 3
+    # a sequence longer than the whole tree keeps its first `capacity` tokens
+    big = list(range(100, 120))
+    assert tree.insert("m", big, _Cache(n_ctx=20).fill(big)) == 10
+    assert tree.n_tokens == 10 and tree.match("m", big) == 10
+    assert PrefixTree(0).insert("m", a, _Cache().fill(a)) == 0
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixTree(-1)
 
 
 def test_logprobs_and_n(server):
@@ -563,8 +631,6 @@ def test_batched_step_equals_lone(smollm2_path):
     are bit for bit the ones it gets alone (the lone decode step runs the compiled program,
     proven equal to the op-by-op pass), whatever else is in the batch: other decode tokens
     or another sequence's prompt chunk."""
-    import numpy as np
-
     from picollama.generation import Engine, eval_batch
 
     engine = Engine(smollm2_path)

@@ -42,6 +42,7 @@ class ServerConfig:
     max_n: int = 8  # choices per request
     allow_template_kwargs: bool = False  # chat_template_kwargs from requests (RELIABILITY 21)
     lora_adapters: list = field(default_factory=list)  # (path, scale) GGUF LoRA adapters
+    prefix_cache_tokens: int = -1  # the shared prefix tree's size (-1: all slots' n_ctx; 0: off)
 
 
 @dataclass
@@ -68,7 +69,12 @@ class App:
         n_ctx_slot = max(1, config.n_ctx // config.n_slots) if config.n_ctx > 0 else 0
         self.lora = LoraSet(engine.model, config.lora_adapters) if config.lora_adapters else None
         self.scheduler = Scheduler(
-            engine, config.n_slots, n_ctx_slot, config.max_queue, lora=self.lora
+            engine,
+            config.n_slots,
+            n_ctx_slot,
+            config.max_queue,
+            lora=self.lora,
+            prefix_cache_tokens=config.prefix_cache_tokens,
         )
         self.n_ctx_slot = self.scheduler.n_ctx_slot
         self.model_name = config.alias or os.path.basename(str(engine.path))
@@ -199,6 +205,12 @@ class App:
                 s.n_pending,
             ),
             ("slots_total", "gauge", "Number of slots (-np).", len(s.slots)),
+            (
+                "prefix_cache_tokens",
+                "gauge",
+                "Tokens whose KV the shared prefix tree holds.",
+                s.tree.n_tokens if s.tree is not None else 0,
+            ),
             ("slots_busy", "gauge", "Slots serving a request.", s.n_busy),
         ]
         out = []

@@ -8,11 +8,12 @@ that is decoding) and evaluates them through ONE call, ``engine_step``; each slo
 its next token. A request that finishes, fails or is cancelled leaves its slot at the end of
 the step, and a waiting one takes it at the start of the next.
 
-Prompt reuse: every slot keeps its KV cache after a request. A new request goes to the free
-slot whose cache shares the longest prefix with its prompt; if another slot (busy or not)
-holds a longer matching prefix, those cached positions are copied across, so the prefill
-starts after the shared part. (A paged KV pool with a radix tree, as SGLang's RadixAttention,
-would share the memory instead of copying it; the copy gives the same saved compute.)
+Prompt reuse: every slot keeps its KV cache after a request, and a prefix tree shared by the
+slots (``prefix_tree.PrefixTree``, after SGLang's RadixAttention) keeps what any slot has
+evaluated: a slot's prompt once its prefill is done, its whole sequence when it finishes. A
+new request goes to the free slot whose own cache shares the longest prefix with its prompt;
+if the tree holds a longer one, the missing positions are copied from it, so the prefill
+starts after the shared part, even when the slot that computed it has since moved on.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from picollama.generation import Context, Engine, eval_batch
 from picollama.sampling.samplers import Sampler
 from picollama.sampling.stop import StopStrings
+from picollama.server.prefix_tree import PrefixTree
 
 __all__ = ["GenRequest", "Event", "Slot", "Scheduler", "QueueFullError", "engine_step"]
 
@@ -157,8 +159,16 @@ class Scheduler:
     """The engine thread, its slots and its waiting queue."""
 
     def __init__(
-        self, engine: Engine, n_slots: int, n_ctx_slot: int, max_queue: int = 64, lora=None
+        self,
+        engine: Engine,
+        n_slots: int,
+        n_ctx_slot: int,
+        max_queue: int = 64,
+        lora=None,
+        prefix_cache_tokens: int = -1,
     ):
+        """``prefix_cache_tokens``: the most tokens the shared prefix tree holds (-1: as
+        many as all slots' caches together; 0: no tree, a slot reuses only its own cache)."""
         self.lora = lora  # a picollama.lora.LoraSet, or None
         if n_slots <= 0:
             raise ValueError(f"the number of slots (-np) must be positive, got {n_slots}")
@@ -166,6 +176,15 @@ class Scheduler:
         self.tokenizer = engine.tokenizer
         self.slots = [Slot(i, engine.new_sequence(n_ctx_slot)) for i in range(n_slots)]
         self.n_ctx_slot = self.slots[0].ctx.n_ctx
+        if prefix_cache_tokens < 0:
+            prefix_cache_tokens = n_slots * self.n_ctx_slot
+        cache = self.slots[0].ctx.cache
+        # the tree copies rows by position: not for ring-buffer (sliding-window) layers, whose
+        # rows are not positions, nor for caches outside host memory
+        by_position = all(
+            isinstance(a, np.ndarray) and a.shape[0] == cache.n_ctx for a in cache.k + cache.v
+        )
+        self.tree = PrefixTree(prefix_cache_tokens) if prefix_cache_tokens and by_position else None
         self.max_queue = max_queue
         self.n_batch = engine.n_batch
         self._pending: collections.deque[GenRequest] = collections.deque()
@@ -308,28 +327,22 @@ class Scheduler:
         self.n_prompt_tokens_cached += n_keep
 
     def _copy_prefix(self, slot: Slot, prompt: list[int], n_have: int) -> int:
-        """Copy a longer cached prefix of ``prompt`` from another slot's KV cache."""
-        limit = len(prompt) - 1  # the last prompt token is always evaluated again
-        best, n_best = None, n_have
-        for other in self.slots:
-            if other is slot or other.ctx.model is not slot.ctx.model:  # other LoRA adapters
-                continue
-            n = _common_prefix(other.ctx.tokens[:limit], prompt[:limit])
-            if n > n_best:
-                best, n_best = other, n
-        if best is None:
+        """Copy a longer cached prefix of ``prompt`` than the slot holds from the prefix tree
+        (entries of the slot's model view only: other LoRA adapters give other KV)."""
+        if self.tree is None:
             return n_have
-        src, dst = best.ctx.cache, slot.ctx.cache
-        if any(a.shape[0] != src.n_ctx for a in src.k) or any(
-            a.shape[0] != dst.n_ctx for a in dst.k
-        ):
-            return n_have  # ring-buffer (sliding-window) layers: positions don't line up
-        for layer in range(src.n_layers):
-            dst.k[layer][n_have:n_best] = src.k[layer][n_have:n_best]
-            dst.v[layer][n_have:n_best] = src.v[layer][n_have:n_best]
-        slot.ctx.tokens[n_have:] = prompt[n_have:n_best]
-        slot.ctx.cache.n_past = n_best
-        return n_best
+        ctx = slot.ctx
+        # the last prompt token is always evaluated again (its logits are needed)
+        n = self.tree.restore(ctx.model, prompt, ctx.cache, n_have, len(prompt) - 1)
+        if n > n_have:
+            ctx.tokens[n_have:] = prompt[n_have:n]
+            ctx.cache.n_past = n
+        return n
+
+    def _remember(self, s: Slot) -> None:
+        """Put what the slot's cache holds into the prefix tree."""
+        if self.tree is not None and s.req is not None and s.req.cache_prompt:
+            self.tree.insert(s.ctx.model, s.ctx.tokens, s.ctx.cache)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -366,6 +379,7 @@ class Scheduler:
                 self.t_prompt_total += share
                 if s.pending:
                     continue
+                self._remember(s)  # the prompt is in: other slots may share it from now
             else:
                 self.t_predict_total += share
             self._sample(s, logits)
@@ -438,6 +452,7 @@ class Scheduler:
                 if tail:
                     req.out.put(Event("token", req.index, tail))
             self.n_requests_done += 1
+            self._remember(s)
         stats["stop_type"] = s.stop_type
         if reason == "error":
             req.out.put(Event("error", req.index, message=message, stats=stats))

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body", type=int, default=8 * 1024 * 1024, help="request body limit")
     p.add_argument("--log-disable", action="store_true", help="don't log requests")
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=-1,
+        help="tokens of KV the prefix tree shared by the slots keeps (-1: -c; 0: off)",
+    )
     add_lora_args(p)
     return p
 
@@ -79,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.parallel <= 0 or args.queue_size < 0 or args.ctx_size < 0:
         print("error: -np must be positive, --queue-size and -c not negative", file=sys.stderr)
+        return 2
+    if args.prefix_cache_tokens < -1:
+        print("error: --prefix-cache-tokens must be -1 (as -c), 0 (off) or more", file=sys.stderr)
         return 2
     key = args.api_key
     if args.api_key_file:
@@ -101,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             max_body_bytes=args.max_body,
             allow_template_kwargs=args.allow_chat_template_kwargs,
             lora_adapters=lora_specs(args),
+            prefix_cache_tokens=args.prefix_cache_tokens,
         )
         app = App(engine, config)
         httpd = make_server(
