@@ -559,3 +559,22 @@ def test_adapter_equals_merged_weights(tmp_path, arch):
     # (measured 6.5e-7 llama, 3.8e-7 gemma3; without the adapter 0.54 and 0.31)
     assert _rel(got, expected) < REL_ERROR["f32"]
     assert _rel(plain, expected) > 100 * REL_ERROR["f32"]  # the adapter matters
+
+
+def test_server_and_perplexity_flags(files, tmp_path, capsys):
+    from picollama.tools import perplexity, server
+
+    bad = _write_adapter(tmp_path / "bad.gguf", alpha=None)
+    assert server.main(["-m", str(files["base"]), "--port", "0", "--lora", str(bad)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "adapter.lora.alpha is missing" in err[0]
+
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    ppl = {}
+    for name, flags in [("base", []), ("a1", ["--lora", str(files["a1-f32"])])]:
+        args = ["-m", str(files["base"]), "-f", str(text), "-c", "32", "-t", "2", *flags]
+        assert perplexity.main(args) == 0
+        out = capsys.readouterr().out
+        ppl[name] = float(out.split("PPL = ")[1].split()[0])
+    assert ppl["base"] != ppl["a1"]
