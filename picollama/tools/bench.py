@@ -3,8 +3,9 @@
     picollama-bench -m MODEL [-p 512] [-n 128] [-r 5] [-t 2] [--vs-llama-cpp BIN_DIR]
 
 pp<N>: tokens/s of one prompt batch of N tokens from an empty cache. tg<N>: tokens/s of N
-tokens decoded one at a time from an empty cache. Each figure is the mean ± standard
-deviation over -r repetitions after one warm-up run. Decode reads every weight once per
+tokens decoded one at a time from an empty cache. Each figure is the median ± standard
+deviation over -r repetitions after one warm-up run; with --vs-llama-cpp, our runs and
+llama-bench's (-r 1 each) alternate round by round. Decode reads every weight once per
 token, so the table also shows the memory-bandwidth ceiling (a large numpy copy's rate
 divided by the bytes read per token) and how close tg gets to it.
 """
@@ -171,53 +172,66 @@ def main(argv: list[str] | None = None) -> int:
         tests.append((f"pp{args.n_prompt}", _run_pp, args.n_prompt))
     if args.n_gen > 0:
         tests.append((f"tg{args.n_gen}", _run_tg, args.n_gen))
-    ours = {}
+    # Beside llama-bench, the two alternate: each round runs every test of ours once, then
+    # llama-bench once (-r 1), so a burst of load from elsewhere on a shared machine falls
+    # on both sides alike; figures are medians over the rounds.
+    vs = bool(args.vs_llama_cpp)
+    reps = max(args.repetitions, 1)
+    rounds, per_round = (reps, 1) if vs else (1, reps)
     base_model = ctx.model
     # with adapters: each test without them, then with them (the same cache and weights)
-    for model, suffix in [(base_model, "")] + ([(lora_model, " +lora")] if lora_model else []):
-        ctx.model = model
-        for name, fn, n in tests:
-            fn(ctx, min(n, 16), rng)  # warm-up: compiles and touches the weights
-            runs = [fn(ctx, n, rng) for _ in range(max(args.repetitions, 1))]
-            stdev = statistics.stdev(runs) if len(runs) > 1 else 0.0
-            ours[name + suffix] = (statistics.mean(runs), stdev)
-    ctx.model = base_model
+    variants = [(base_model, "")] + ([(lora_model, " +lora")] if lora_model else [])
+    our_runs: dict[str, list[float]] = {}
+    their_runs: dict[str, list[float]] = {}
+    for round_ in range(rounds):
+        for model, suffix in variants:
+            ctx.model = model
+            for name, fn, n in tests:
+                if round_ == 0:
+                    fn(ctx, min(n, 16), rng)  # warm-up: compiles and touches the weights
+                runs = our_runs.setdefault(name + suffix, [])
+                runs.extend(fn(ctx, n, rng) for _ in range(per_round))
+        ctx.model = base_model
+        if vs:
+            try:
+                got = _llama_bench(
+                    args.vs_llama_cpp, str(ctx.path), threads, args.n_prompt, args.n_gen, 1
+                )
+            except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as err:
+                print(f"picollama-bench: llama-bench did not run: {err}", file=sys.stderr)
+                vs = False
+                their_runs = {}
+                continue
+            for name, (mean, _) in got.items():
+                their_runs.setdefault(name, []).append(mean)
 
-    theirs = {}
-    if args.vs_llama_cpp:
-        try:
-            theirs = _llama_bench(
-                args.vs_llama_cpp,
-                str(ctx.path),
-                threads,
-                args.n_prompt,
-                args.n_gen,
-                args.repetitions,
-            )
-        except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as err:
-            print(f"picollama-bench: llama-bench did not run: {err}", file=sys.stderr)
+    def summary(runs: list[float]) -> tuple[float, float]:
+        return statistics.median(runs), statistics.stdev(runs) if len(runs) > 1 else 0.0
+
+    ours = {name: summary(runs) for name, runs in our_runs.items()}
+    theirs = {name: summary(runs) for name, runs in their_runs.items()}
 
     # a GPU backend measures its own device memory (measure_bandwidth); the CPU a numpy copy
     device_bandwidth = getattr(ctx.backend, "measure_bandwidth", None)
     bandwidth = device_bandwidth() if device_bandwidth else measure_bandwidth()
     # a decode step reads every weight once (the KV cache is small next to it here)
     ceiling = bandwidth / weight_bytes
-    header = "| model | size | params | backend | threads | test | t/s |"
+    header = "| model | size | params | backend | threads | test | t/s (median ± sd) |"
     sep = "| --- | ---: | ---: | --- | ---: | --- | ---: |"
     if theirs:
         header += " llama.cpp t/s | ratio |"
         sep += " ---: | ---: |"
     print(header)
     print(sep)
-    for name, (mean, std) in ours.items():
+    for name, (median, std) in ours.items():
         row = (
             f"| {model_desc} | {_fmt_size(weight_bytes)} | {n_params / 1e6:.2f} M | "
-            f"{args.backend.upper()} | {threads} | {name} | {mean:.2f} ± {std:.2f} |"
+            f"{args.backend.upper()} | {threads} | {name} | {median:.2f} ± {std:.2f} |"
         )
         if theirs:
             if name in theirs:
                 lm, ls = theirs[name]
-                row += f" {lm:.2f} ± {ls:.2f} | {mean / lm:.2f}x |"
+                row += f" {lm:.2f} ± {ls:.2f} | {median / lm:.2f}x |"
             else:
                 row += " - | - |"
         print(row)
