@@ -507,6 +507,14 @@ def test_log_escaping():  # 41
     assert _escape("GET /x\r\n\x1b[31mred") == "GET /x\\r\\n\\x1b[31mred"
 
 
+def test_cli_flag_errors(capsys):
+    from picollama.tools.server import main
+
+    assert main(["-m", "unused.gguf", "--prefix-cache-tokens", "-2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prefix-cache-tokens" in err
+
+
 def test_many_invalid_then_valid(server):  # 43
     health = []
     stop = threading.Event()
