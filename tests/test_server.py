@@ -202,6 +202,39 @@ def test_prefix_tree_outlives_its_slot(server):
     assert reused["content"] == fresh["content"]
 
 
+@pytest.mark.parametrize("tree_tokens", [-1, 0], ids=["tree", "slot-copy"])
+def test_scheduler_prefix_sources(smollm2_path, tree_tokens):
+    """In process: with the tree, a prefix outlives its slot; without it (device caches,
+    or --prefix-cache-tokens 0), a slot copies from another slot that still holds it."""
+    from picollama.generation import Engine
+    from picollama.sampling.samplers import Sampler, SamplingParams
+    from picollama.server.scheduler import GenRequest, Scheduler
+
+    engine = Engine(smollm2_path)
+    sched = Scheduler(engine, 2, 128, prefix_cache_tokens=tree_tokens)
+    assert (sched.tree is None) == (tree_tokens == 0)
+    shared = engine.tokenizer.encode("A long shared beginning of a prompt, word after word,")
+
+    def run(prompt, slot):
+        req = GenRequest(prompt, Sampler(SamplingParams(temperature=0)), 2, id_slot=slot)
+        sched.submit([req])
+        while (ev := req.out.get(timeout=120)).kind == "token":
+            pass
+        assert ev.kind == "done", ev.message
+        return ev.stats
+
+    sched.start()
+    try:
+        assert run(shared + [11], 0)["prompt_cached"] == 0
+        assert run(shared + [12], 1)["prompt_cached"] == len(shared)  # from slot 0 or the tree
+        run([5, 6, 7], 0)
+        run([8, 9], 1)  # neither slot holds the shared part any more
+        n = run(shared + [13], 0)["prompt_cached"]
+        assert n == (len(shared) if tree_tokens else 0)
+    finally:
+        sched.stop()
+
+
 class _Cache:
     """A KV cache's shape as the prefix tree sees it: per-layer arrays indexed by position."""
 

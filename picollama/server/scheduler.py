@@ -180,7 +180,8 @@ class Scheduler:
             prefix_cache_tokens = n_slots * self.n_ctx_slot
         cache = self.slots[0].ctx.cache
         # the tree copies rows by position: not for ring-buffer (sliding-window) layers, whose
-        # rows are not positions, nor for caches outside host memory
+        # rows are not positions; and it keeps them in host memory, so device caches (CUDA,
+        # OpenCL) copy from the other slots instead
         by_position = all(
             isinstance(a, np.ndarray) and a.shape[0] == cache.n_ctx for a in cache.k + cache.v
         )
@@ -328,16 +329,38 @@ class Scheduler:
 
     def _copy_prefix(self, slot: Slot, prompt: list[int], n_have: int) -> int:
         """Copy a longer cached prefix of ``prompt`` than the slot holds from the prefix tree
-        (entries of the slot's model view only: other LoRA adapters give other KV)."""
-        if self.tree is None:
-            return n_have
+        (entries of the slot's model view only: other LoRA adapters give other KV); without
+        a tree, from the other slot that holds the longest one."""
         ctx = slot.ctx
-        # the last prompt token is always evaluated again (its logits are needed)
-        n = self.tree.restore(ctx.model, prompt, ctx.cache, n_have, len(prompt) - 1)
+        limit = len(prompt) - 1  # the last prompt token is always evaluated again
+        if self.tree is not None:
+            n = self.tree.restore(ctx.model, prompt, ctx.cache, n_have, limit)
+        else:
+            n = self._copy_from_slot(slot, prompt, n_have, limit)
         if n > n_have:
             ctx.tokens[n_have:] = prompt[n_have:n]
             ctx.cache.n_past = n
         return n
+
+    def _copy_from_slot(self, slot: Slot, prompt: list[int], n_have: int, limit: int) -> int:
+        best, n_best = None, n_have
+        for other in self.slots:
+            if other is slot or other.ctx.model is not slot.ctx.model:  # other LoRA adapters
+                continue
+            n = _common_prefix(other.ctx.tokens[:limit], prompt[:limit])
+            if n > n_best:
+                best, n_best = other, n
+        if best is None:
+            return n_have
+        src, dst = best.ctx.cache, slot.ctx.cache
+        if any(a.shape[0] != src.n_ctx for a in src.k) or any(
+            a.shape[0] != dst.n_ctx for a in dst.k
+        ):
+            return n_have  # ring-buffer (sliding-window) layers: positions don't line up
+        for layer in range(src.n_layers):
+            dst.k[layer][n_have:n_best] = src.k[layer][n_have:n_best]
+            dst.v[layer][n_have:n_best] = src.v[layer][n_have:n_best]
+        return n_best
 
     def _remember(self, s: Slot) -> None:
         """Put what the slot's cache holds into the prefix tree."""
