@@ -24,11 +24,12 @@ import math
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
 from numba import types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from picollama.backends.cpu.ggml_math import expf, hsum8_f32, v_expf
-from picollama.backends.cpu.intrinsics import fma_f32, half_to_f32, round_f16
+from picollama.backends.cpu.intrinsics import HAS_F16C, fma_f32, half_to_f32, round_f16
 
 __all__ = ["attention", "FA_TILE_Q", "FA_TILE_KV", "F16_TABLE"]
 
@@ -64,6 +65,192 @@ def _kv_overload(cache, j, h, d):
     return impl
 
 
+def kv1(row, d):
+    """``row[d]`` of one cache row (k_cache[j, h]) as float32 (see ``kv``)."""
+    raise NotImplementedError("kv1 is only callable from Numba-compiled code")
+
+
+@overload(kv1, inline="always")
+def _kv1_overload(row, d):
+    if row.dtype == types.uint16:
+
+        def impl(row, d):
+            return half_to_f32(row[d], F16_TABLE)
+
+    else:
+
+        def impl(row, d):
+            return row[d]
+
+    return impl
+
+
+# -- ggml_vec_dot_f16 and ggml_vec_mad_f16 as LLVM vector code (CPUs with F16C) -------------
+
+_F32, _F16, _I64 = ir.FloatType(), ir.HalfType(), ir.IntType(64)
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _lanes(builder, v, idx):
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(ir.IntType(32), len(idx)), list(idx)))
+
+
+def _fma_decl(builder, n):
+    """llvm.fma of <n x float> in the builder's module."""
+    vt = _vec(_F32, n)
+    name = f"llvm.fma.v{n}f32"
+    try:
+        return builder.module.get_global(name)
+    except KeyError:
+        return ir.Function(builder.module, ir.FunctionType(vt, [vt] * 3), name)
+
+
+def _data(context, builder, arrty, arr):
+    return context.make_array(arrty)(context, builder, arr).data
+
+
+@intrinsic
+def _dot_f16_32(typingctx, krow, qh, n32):
+    """ggml_vec_dot_f16's AVX2 body over ``n32`` (a multiple of 32) elements: 4 x 8 float32
+    lanes of FMAs of the widened F16 ``krow`` with ``qh``, then its reduction order, as
+    one float32. ``krow``: uint16 (F16 bits) 1-D contiguous; ``qh``: float32."""
+    if krow.dtype != types.uint16 or qh.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        krow_t, qh_t, _ = signature.args
+        k_ptr = builder.bitcast(_data(context, builder, krow_t, args[0]), _F16.as_pointer())
+        q_ptr = builder.bitcast(_data(context, builder, qh_t, args[1]), _F32.as_pointer())
+        n = args[2]
+        v32 = _vec(_F32, 32)
+        fma = _fma_decl(builder, 32)
+        entry = builder.block
+        loop = builder.append_basic_block("dot16.loop")
+        done = builder.append_basic_block("dot16.done")
+        zero = ir.Constant(v32, [ir.Constant(_F32, 0.0)] * 32)
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(_I64)
+        acc = builder.phi(v32)
+        kp = builder.bitcast(builder.gep(k_ptr, [i]), _vec(_F16, 32).as_pointer())
+        qp = builder.bitcast(builder.gep(q_ptr, [i]), v32.as_pointer())
+        k = builder.fpext(builder.load(kp, align=2), v32)
+        acc1 = builder.call(fma, [k, builder.load(qp, align=4), acc])
+        i1 = builder.add(i, ir.Constant(_I64, 32))
+        i.add_incoming(ir.Constant(_I64, 0), entry)
+        i.add_incoming(i1, loop)
+        acc.add_incoming(zero, entry)
+        acc.add_incoming(acc1, loop)
+        builder.cbranch(builder.icmp_signed("<", i1, n), loop, done)
+        builder.position_at_end(done)
+        total = builder.phi(v32)
+        total.add_incoming(zero, entry)
+        total.add_incoming(acc1, loop)
+        # lane l < 8: (sum0 + sum2) + (sum1 + sum3), sum_s = lanes 8s .. 8s + 7
+        a = builder.fadd(_lanes(builder, total, range(0, 8)), _lanes(builder, total, range(16, 24)))
+        b = builder.fadd(
+            _lanes(builder, total, range(8, 16)), _lanes(builder, total, range(24, 32))
+        )
+        r = builder.fadd(a, b)
+        t = builder.fadd(_lanes(builder, r, range(0, 4)), _lanes(builder, r, range(4, 8)))
+        e = [builder.extract_element(t, ir.Constant(ir.IntType(32), c)) for c in range(4)]
+        return builder.fadd(builder.fadd(e[0], e[1]), builder.fadd(e[2], e[3]))
+
+    return types.float32(krow, qh, n32), codegen
+
+
+@intrinsic
+def _mad_f16_16(typingctx, acc, vrow, vs, n16):
+    """ggml_vec_mad_f16 on an F16 accumulator held as float32: for the first ``n16`` (a
+    multiple of 16) elements, ``acc = f16(fma(f32(vrow), vs, acc))``, 16 at a time."""
+    if vrow.dtype != types.uint16 or acc.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        acc_t, vrow_t, _, _ = signature.args
+        a_ptr = builder.bitcast(_data(context, builder, acc_t, args[0]), _F32.as_pointer())
+        v_ptr = builder.bitcast(_data(context, builder, vrow_t, args[1]), _F16.as_pointer())
+        n = args[3]
+        v16 = _vec(_F32, 16)
+        fma = _fma_decl(builder, 16)
+        splat = builder.insert_element(
+            ir.Constant(v16, None), args[2], ir.Constant(ir.IntType(32), 0)
+        )
+        splat = _lanes(builder, splat, [0] * 16)
+        entry = builder.block
+        loop = builder.append_basic_block("mad16.loop")
+        done = builder.append_basic_block("mad16.done")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(_I64)
+        ap = builder.bitcast(builder.gep(a_ptr, [i]), v16.as_pointer())
+        vp = builder.bitcast(builder.gep(v_ptr, [i]), _vec(_F16, 16).as_pointer())
+        v = builder.fpext(builder.load(vp, align=2), v16)
+        r = builder.call(fma, [v, splat, builder.load(ap, align=4)])
+        builder.store(builder.fpext(builder.fptrunc(r, _vec(_F16, 16)), v16), ap, align=4)
+        i1 = builder.add(i, ir.Constant(_I64, 16))
+        i.add_incoming(ir.Constant(_I64, 0), entry)
+        i.add_incoming(i1, loop)
+        builder.cbranch(builder.icmp_signed("<", i1, n), loop, done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return types.void(acc, vrow, vs, n16), codegen
+
+
+def dot_f16_32(krow, qh, n32):
+    """``_dot_f16_32`` where the CPU has F16C, else the same sums lane by lane."""
+    raise NotImplementedError("dot_f16_32 is only callable from Numba-compiled code")
+
+
+@overload(dot_f16_32, inline="always")
+def _dot_f16_32_overload(krow, qh, n32):
+    if HAS_F16C and krow.dtype == types.uint16:
+
+        def impl(krow, qh, n32):
+            return _dot_f16_32(krow, qh, n32)
+
+    else:
+
+        def impl(krow, qh, n32):
+            lanes = np.zeros(32, _F)
+            for i in range(0, n32, 32):
+                for ln in range(32):
+                    lanes[ln] = fma_f32(kv1(krow, i + ln), qh[i + ln], lanes[ln])
+            for ln in range(8):
+                lanes[ln] = (lanes[ln] + lanes[ln + 16]) + (lanes[ln + 8] + lanes[ln + 24])
+            t0 = lanes[0] + lanes[4]
+            t1 = lanes[1] + lanes[5]
+            t2 = lanes[2] + lanes[6]
+            t3 = lanes[3] + lanes[7]
+            return (t0 + t1) + (t2 + t3)
+
+    return impl
+
+
+def mad_f16(acc, vrow, vs):
+    """``acc = f16(fma(f32(vrow), vs, acc))`` element by element (ggml_vec_mad_f16)."""
+    raise NotImplementedError("mad_f16 is only callable from Numba-compiled code")
+
+
+@overload(mad_f16, inline="always")
+def _mad_f16_overload(acc, vrow, vs):
+    vector = HAS_F16C and vrow.dtype == types.uint16
+
+    def impl(acc, vrow, vs):
+        n = acc.shape[0]
+        n16 = n - n % 16 if vector else 0
+        if n16 > 0:
+            _mad_f16_16(acc, vrow, vs, n16)
+        for d in range(n16, n):
+            acc[d] = round_f16(fma_f32(kv1(vrow, d), vs, acc[d]))
+
+    return impl
+
+
 # Module-level functions, not closures: Numba's disk cache finds them again in the next
 # process (a closure over other compiled functions was compiled anew at every start). The
 # cache's dtype is part of each signature, so each dtype gets its own compiled code.
@@ -81,25 +268,16 @@ def one_chunk(q, k_cache, v_cache, start, scale, window, softcap, out, t, h, gro
     qh = np.empty(head_dim, _F)
     for d in range(head_dim):
         qh[d] = round_f16(q[t, h, d])
-    lanes = np.empty(32, _F)
     acc = np.zeros(dv, _F)  # VKQ16: F16 values held in float32
     big_m = _NEG_INF
     total = _F(0.0)
+    n32 = head_dim - head_dim % 32
     for j in range(lo, hi):
-        # ggml_vec_dot_f16: 4 x 8 lanes of FMAs, then its REDUCE order
-        lanes[:] = 0.0
-        for i in range(0, head_dim - head_dim % 32, 32):
-            for ln in range(32):
-                lanes[ln] = fma_f32(kv(k_cache, j, kvh, i + ln), qh[i + ln], lanes[ln])
-        for ln in range(8):
-            lanes[ln] = (lanes[ln] + lanes[ln + 16]) + (lanes[ln + 8] + lanes[ln + 24])
-        t0 = lanes[0] + lanes[4]
-        t1 = lanes[1] + lanes[5]
-        t2 = lanes[2] + lanes[6]
-        t3 = lanes[3] + lanes[7]
-        sd = np.float64((t0 + t1) + (t2 + t3))
-        for i in range(head_dim - head_dim % 32, head_dim):
-            sd += np.float64(kv(k_cache, j, kvh, i) * qh[i])
+        krow = k_cache[j, kvh]  # (head_dim,): one key, contiguous
+        # ggml_vec_dot_f16: 4 x 8 lanes of FMAs, its REDUCE order, then the tail in double
+        sd = np.float64(dot_f16_32(krow, qh, n32))
+        for i in range(n32, head_dim):
+            sd += np.float64(kv1(krow, i) * qh[i])
         s = _F(sd) * scale
         if softcap > 0:
             s = softcap * math.tanh(s)  # tanhf
@@ -112,8 +290,7 @@ def one_chunk(q, k_cache, v_cache, start, scale, window, softcap, out, t, h, gro
                 acc[d] = round_f16(acc[d] * ms)
         else:
             vs = expf(s - big_m)
-        for d in range(dv):
-            acc[d] = round_f16(fma_f32(kv(v_cache, j, kvh, d), vs, acc[d]))
+        mad_f16(acc, v_cache[j, kvh], vs)
         total = fma_f32(total, ms, vs)  # S = S*ms + vs, contracted by the compiler
     inv = _F(1.0) / total if total != 0 else _F(0.0)
     for d in range(dv):
