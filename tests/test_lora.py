@@ -222,6 +222,11 @@ def test_compiled_decode_step_with_adapters(files):
         program = ctx.backend._steps._programs.get(view)
         assert program is not False and program is not None and program.trusted
         assert sum(row[0] == 12 for row in program.code) == 14 + 6  # one LoRA op per term
+        # terms on one input run side by side, a run ending where a term reads an earlier
+        # one's output: per layer [Q a1], [Q a2 (reads Q a1), K a1, V a1], [V a2], [O a1],
+        # [gate a1, up a1], [down a1], [down a2]
+        runs = sorted(int(row[8]) for row in program.code if row[0] == 12 and row[8] > 1)
+        assert runs == [2, 2, 3, 3], runs
         # a fresh op-by-op pass over the same tokens
         cache = view.new_cache(64)
         seg = [Segment(np.array(ids), 0, cache, np.arange(len(ids)))]

@@ -7,11 +7,11 @@ add op by op would cost four short ops per projection; here it is one pass over 
 adapter's rows, called by ``CPUBackend.lora_add`` and by the compiled decode step (``step``),
 so both give the same floats.
 
-``t = s * A x`` is ``r`` float row dots (``kernels_float``: float32 sums per chunk of 32,
-float64 across chunks). ``B t`` would be ``m`` dots of only ``r`` terms each, where the
-per-row overhead costs more than the arithmetic (3-4x a streaming pass on a rank-16
-SmolLM2 adapter); so ``B`` is kept transposed, ``r`` rows of ``m`` (``transpose_b``, a
-copy of the adapter made once at load), and ``B t`` is ``r`` vector updates of ``m`` floats.
+``t = s * A x`` is ``r`` row dots of ``k`` terms, four rows per pass over x. ``B t`` would
+be ``m`` dots of only ``r`` terms each, where the per-row overhead costs more than the
+arithmetic (3-4x a streaming pass on a rank-16 SmolLM2 adapter); so ``B`` is kept
+transposed, ``r`` rows of ``m`` (``transpose_b``, a copy of the adapter made once at load),
+and ``B t`` is vector updates of ``m`` floats, four rows of B's transpose per pass.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from numba import prange
 
 from picollama.backends.base import Weight
 from picollama.backends.cpu.intrinsics import FASTMATH, load_f16, load_f32
-from picollama.backends.cpu.kernels_float import vdot_f16, vdot_f32
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["LORA_TYPES", "LoraB", "transpose_b", "lora_add", "lora_rows"]
@@ -54,31 +53,70 @@ def transpose_b(b: Weight) -> LoraB:
     return LoraB(b.name, b.type, b.shape, b.data, t.view(np.uint8).reshape(r, -1))
 
 
-@nb.njit(inline="always")
-def _dot(x, w, row, k, f16):
-    if f16:
-        return vdot_f16(x, w, row, k)
-    return vdot_f32(x, w, row, k)
+def _make_parts(load, size):
+    """``t = s * A x`` and ``out = y + B t`` (B transposed) for entries read by ``load``
+    (``load_f16`` or ``load_f32``, ``size`` bytes each). Four rows of A (or of B's
+    transpose) per pass over x (or out): the loads of x and out are shared, and each
+    pass is long enough to run in SIMD lanes (a float32 sum per lane, ``FASTMATH``)."""
+
+    @nb.njit(inline="always", fastmath=FASTMATH)
+    def a_part(x, a, s, t):
+        k, r = x.shape[0], a.shape[0]
+        j = 0
+        while j + 4 <= r:
+            s0, s1, s2, s3 = _F32(0.0), _F32(0.0), _F32(0.0), _F32(0.0)
+            for i in range(k):
+                xi = x[i]
+                s0 += xi * load(a, j, size * i)
+                s1 += xi * load(a, j + 1, size * i)
+                s2 += xi * load(a, j + 2, size * i)
+                s3 += xi * load(a, j + 3, size * i)
+            t[j], t[j + 1], t[j + 2], t[j + 3] = s0 * s, s1 * s, s2 * s, s3 * s
+            j += 4
+        while j < r:
+            s0 = _F32(0.0)
+            for i in range(k):
+                s0 += x[i] * load(a, j, size * i)
+            t[j] = s0 * s
+            j += 1
+
+    @nb.njit(inline="always", fastmath=FASTMATH)
+    def b_part(t, bt, y, out):
+        r, m = t.shape[0], out.shape[0]
+        for o in range(m):
+            out[o] = y[o]
+        j = 0
+        while j + 4 <= r:
+            t0, t1, t2, t3 = t[j], t[j + 1], t[j + 2], t[j + 3]
+            for o in range(m):
+                p01 = t0 * load(bt, j, size * o) + t1 * load(bt, j + 1, size * o)
+                p23 = t2 * load(bt, j + 2, size * o) + t3 * load(bt, j + 3, size * o)
+                out[o] += p01 + p23
+            j += 4
+        while j < r:
+            tj = t[j]
+            for o in range(m):
+                out[o] += tj * load(bt, j, size * o)
+            j += 1
+
+    return a_part, b_part
+
+
+_a_f16, _b_f16 = _make_parts(load_f16, 2)
+_a_f32, _b_f32 = _make_parts(load_f32, 4)
 
 
 @nb.njit(cache=True, fastmath=FASTMATH)
 def _row(x, a, a_f16, bt, b_f16, s, y, out, t):
     """One row: ``out = y + (s * A x) @ B.T`` with ``bt`` holding B transposed."""
-    k, r, m = x.shape[0], a.shape[0], out.shape[0]
-    for j in range(r):
-        t[j] = _F32(_dot(x, a, j, k, a_f16)) * s
-    for o in range(m):
-        out[o] = _F32(0.0)
-    for j in range(r):
-        tj = t[j]
-        if b_f16:
-            for o in range(m):
-                out[o] += tj * load_f16(bt, j, 2 * o)
-        else:
-            for o in range(m):
-                out[o] += tj * load_f32(bt, j, 4 * o)
-    for o in range(m):
-        out[o] = y[o] + out[o]
+    if a_f16:
+        _a_f16(x, a, s, t)
+    else:
+        _a_f32(x, a, s, t)
+    if b_f16:
+        _b_f16(t, bt, y, out)
+    else:
+        _b_f32(t, bt, y, out)
 
 
 @nb.njit(cache=True)

@@ -29,7 +29,7 @@ from numba.typed import List
 from picollama.backends.base import BackendError, Weight
 from picollama.backends.cpu import attention as _attn
 from picollama.backends.cpu import ggml_math, kernels, ops
-from picollama.backends.cpu.lora_kernels import LoraB, lora_rows
+from picollama.backends.cpu.lora_kernels import LoraB, _row, lora_rows
 from picollama.backends.cpu.qdot import simd_quantize, simd_rows
 from picollama.backends.cpu.qdot_act import f32_to_f16_bits
 from picollama.backends.cpu.simd import SIMD_TYPES
@@ -222,8 +222,8 @@ def _run(code, fargs, ws, wtypes, consts, arena, k_cache, v_cache, pos, n_tasks,
                 _attn._parallel(q, kc, vc, pos, scale, c[6], softcap, out, True)
             else:
                 _attn._serial(q, kc, vc, pos, scale, c[6], softcap, out, True)
-        elif op == _OP_LORA:
-            # [op, x, k, a_wid, bt_wid, y, dst, m]; fargs: scale
+        elif op == _OP_LORA and c[8] == 1:
+            # [op, x, k, a_wid, bt_wid, y, dst, m, n_terms]; fargs: scale
             k, m = c[2], c[7]
             x = arena[c[1] : c[1] + k].reshape(1, k)
             y = arena[c[5] : c[5] + m].reshape(1, m)
@@ -231,6 +231,25 @@ def _run(code, fargs, ws, wtypes, consts, arena, k_cache, v_cache, pos, n_tasks,
             a_f16 = wtypes[c[3]] == _F16
             b_f16 = wtypes[c[4]] == _F16
             lora_rows(x, ws[c[3]], a_f16, ws[c[4]], b_f16, np.float32(fargs[i, 0]), y, out)
+        elif op == _OP_LORA and c[8] > 1:
+            _lora_terms(code, fargs, i, c[8], ws, wtypes, arena)
+
+
+@nb.njit(cache=True, parallel=True)
+def _lora_terms(code, fargs, first, n, ws, wtypes, arena):
+    """LoRA terms of one input (Q, K and V; gate and up), program rows ``first ..``, a task
+    each: the adapter's bytes stream through every core, not one. Each term is the same
+    ``_row`` that ``lora_rows`` runs, so the floats are the op-by-op pass's."""
+    for j in prange(n):
+        c = code[first + j]
+        k, m = c[2], c[7]
+        t = np.empty(ws[c[3]].shape[0], np.float32)
+        x = arena[c[1] : c[1] + k]
+        y = arena[c[5] : c[5] + m]
+        out = arena[c[6] : c[6] + m]
+        a_f16 = wtypes[c[3]] == _F16
+        b_f16 = wtypes[c[4]] == _F16
+        _row(x, ws[c[3]], a_f16, ws[c[4]], b_f16, np.float32(fargs[first + j, 0]), y, out, t)
 
 
 # ---- tracing ----
@@ -491,6 +510,29 @@ class _Tracer:
         return out
 
 
+def _group_lora_terms(code: np.ndarray) -> None:
+    """Mark runs of LoRA rows on one input that do not read each other's outputs: the first
+    row of a run gets the run's length (``_run`` does them in one parallel region), the
+    others 0 (already done)."""
+    i, n = 0, len(code)
+    while i < n:
+        if code[i, 0] != _OP_LORA:
+            i += 1
+            continue
+        j, written = i + 1, {int(code[i, 6])}
+        while (
+            j < n
+            and code[j, 0] == _OP_LORA
+            and code[j, 1] == code[i, 1]
+            and int(code[j, 5]) not in written
+        ):
+            written.add(int(code[j, 6]))
+            j += 1
+        code[i, 8] = j - i
+        code[i + 1 : j, 8] = 0
+        i = j
+
+
 class _Program:
     """A traced step, ready to run: the arrays ``_run`` takes."""
 
@@ -501,6 +543,7 @@ class _Program:
         for i, (ints, floats) in enumerate(tracer.rows):
             self.code[i, : len(ints)] = ints
             self.fargs[i, : len(floats)] = floats
+        _group_lora_terms(self.code)
         self.weights = List()
         for w in tracer.weights:
             view = np.asarray(w.data).view()
