@@ -2,13 +2,14 @@
 
     python -m picollama.tools.bench_server -m MODEL --peer LLAMA_CPP_BIN_DIR/llama-server -t 2
 
-Starts ``picollama-server`` and then (with ``--peer``) llama-server, each with the same
-``-np`` (the largest concurrency), ``-c``, ``-t`` and ``-tb``. At each level N, N clients post
-/completion at once, each its own prompt (the same prompts for both servers), asking for
-``-n`` tokens with ``ignore_eos`` and ``cache_prompt: false``; the figure is the tokens all
-streams generated per wall-clock second (median of ``-r`` runs). The table gives each
-level's ratio to one stream and ours to the peer's; the goals are 8 streams >= 3x one stream
-and >= llama-server at 8 streams.
+Starts ``picollama-server`` and (with ``--peer``) llama-server side by side, each with the
+same ``-np`` (the largest concurrency), ``-c``, ``-t`` and ``-tb``. At each level N, N
+clients post /completion at once, each its own prompt (the same prompts for both servers),
+asking for ``-n`` tokens with ``ignore_eos`` and ``cache_prompt: false``; the figure is the
+tokens all streams generated per wall-clock second. The servers take turns, level by level,
+for ``-r`` rounds, and the table gives medians: each level's ratio to one stream and ours to
+the peer's. The goals are 8 streams >= 3x one stream and >= llama-server at 8 streams.
+``--profile STEPS`` instead splits an engine step's time op by op, in process.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["main", "run_levels"]
+__all__ = ["main", "measure", "warm_up", "profile_steps"]
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -84,30 +85,27 @@ def _stream_body(i: int, n_predict: int) -> dict:
     }
 
 
-def run_levels(port: int, levels: list[int], n_predict: int, reps: int = 1) -> dict[int, float]:
-    """Median aggregate generated tokens/s at each concurrency level."""
-    # warm up every path once: one stream, then all slots together (a batched step)
+def warm_up(port: int, n_streams: int) -> None:
+    """Run every path once: one stream, then all slots together (a batched step)."""
     _post(port, "/completion", _stream_body(0, 4))
-    with ThreadPoolExecutor(max(levels)) as pool:
-        list(pool.map(lambda i: _post(port, "/completion", _stream_body(i, 4)), range(max(levels))))
-    out = {}
-    for n in levels:
+    with ThreadPoolExecutor(n_streams) as pool:
+        list(pool.map(lambda i: _post(port, "/completion", _stream_body(i, 4)), range(n_streams)))
 
-        def one(i: int) -> int:
-            r = _post(port, "/completion", _stream_body(i, n_predict))
-            return int(r.get("tokens_predicted", 0))
 
-        rates = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(n) as pool:
-                total = sum(pool.map(one, range(n)))
-            rates.append(total / (time.perf_counter() - t0))
-            if total != n * n_predict:
-                print(f"  warning: {total} tokens generated, {n * n_predict} asked", flush=True)
-        out[n] = statistics.median(rates)
-        print(f"  {n} streams: {out[n]:8.2f} tokens/s aggregate", flush=True)
-    return out
+def measure(port: int, n: int, n_predict: int) -> float:
+    """Aggregate generated tokens/s of ``n`` streams at once."""
+
+    def one(i: int) -> int:
+        r = _post(port, "/completion", _stream_body(i, n_predict))
+        return int(r.get("tokens_predicted", 0))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        total = sum(pool.map(one, range(n)))
+    rate = total / (time.perf_counter() - t0)
+    if total != n * n_predict:
+        print(f"  warning: {total} tokens generated, {n * n_predict} asked", flush=True)
+    return rate
 
 
 # the backend ops a model's forward calls (exclusive time each: an op's inner ops are not
@@ -293,22 +291,38 @@ def main(argv: list[str] | None = None) -> int:
         f"-np {n_slots} -c {n_ctx} -t {args.threads}",
         flush=True,
     )
-    results = {}
-    for name, cmd in servers:
-        port = _free_port()
-        full = [*cmd, "-m", args.model, "--port", str(port)]
-        proc = subprocess.Popen(full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
+    procs: dict[str, tuple[subprocess.Popen, int]] = {}
+    rates: dict[str, dict[int, list[float]]] = {name: {} for name, _ in servers}
+    try:
+        for name, cmd in servers:  # all up at once, so that their runs can alternate
+            port = _free_port()
+            full = [*cmd, "-m", args.model, "--port", str(port)]
+            proc = subprocess.Popen(full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs[name] = (proc, port)
             _wait_health(port, proc)
-            print(f"{name}:", flush=True)
-            results[name] = run_levels(port, levels, args.n_predict, args.repetitions)
-        finally:
+            warm_up(port, n_slots)
+        # round by round, each level on each server in turn: a load spike on a shared
+        # machine then hits both engines alike
+        for rep in range(args.repetitions):
+            for n in levels:
+                for name, (_, port) in procs.items():
+                    time.sleep(0.5)  # let the other server's threads go idle
+                    rates[name].setdefault(n, []).append(measure(port, n, args.n_predict))
+                    print(
+                        f"  round {rep + 1}, {n} streams, {name}: "
+                        f"{rates[name][n][-1]:8.2f} tokens/s aggregate",
+                        flush=True,
+                    )
+    finally:
+        for proc, _ in procs.values():
             proc.terminate()
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    print()
+    results = {name: {n: statistics.median(r[n]) for n in levels} for name, r in rates.items()}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"\nmedians of {args.repetitions} rounds; load average at the end {load:.2f}")
     print(_table(results, levels))
     return 0
 
