@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     # on both sides alike; figures are medians over the rounds.
     vs = bool(args.vs_llama_cpp)
     reps = max(args.repetitions, 1)
-    rounds, per_round = (reps, 1) if vs else (1, reps)
+    # with adapters too: without and with them alternate round by round, for the same reason
+    rounds, per_round = (reps, 1) if vs or lora_model else (1, reps)
     base_model = ctx.model
     # with adapters: each test without them, then with them (the same cache and weights)
     variants = [(base_model, "")] + ([(lora_model, " +lora")] if lora_model else [])
