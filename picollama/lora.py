@@ -214,6 +214,8 @@ class LoraBackend:
         self.table = table
 
     def __getattr__(self, name):
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def rebind(self, inner) -> LoraBackend:
