@@ -283,6 +283,39 @@ def test_prefix_tree_unit():
         PrefixTree(-1)
 
 
+def test_prefix_tree_against_brute_force():
+    """Random sequences over a small alphabet (many shared prefixes, many splits): the tree
+    matches as the longest common prefix with any inserted sequence, and restores the rows
+    that sequence's cache had."""
+    from picollama.server.prefix_tree import PrefixTree
+
+    rng = np.random.default_rng(7)
+    tree, seqs = PrefixTree(capacity=10_000), []
+    for _ in range(60):
+        seq = rng.integers(0, 3, rng.integers(1, 12)).tolist()
+        tree.insert("m", seq, _Cache(n_ctx=12).fill(seq))
+        seqs.append(seq)
+        probe = rng.integers(0, 3, rng.integers(1, 12)).tolist()
+        want = max(_common(probe, s) for s in seqs)
+        assert tree.match("m", probe) == want, (probe, seqs)
+        dst, ref = _Cache(n_ctx=12), _Cache(n_ctx=12).fill(probe)
+        assert tree.restore("m", probe, dst, 0, len(probe)) == want
+        for layer in range(2):
+            assert np.array_equal(dst.k[layer][:want], ref.k[layer][:want])
+    assert tree.n_tokens == len(set(_prefixes(seqs)))
+
+
+def _common(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _prefixes(seqs):
+    return [tuple(s[: i + 1]) for s in seqs for i in range(len(s))]
+
+
 def test_logprobs_and_n(server):
     body = {**CHAT, "logprobs": True, "top_logprobs": 3, "n": 2}
     status, out, _ = server.post("/v1/chat/completions", body)
