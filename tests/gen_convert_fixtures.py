@@ -392,6 +392,42 @@ def make_phi3() -> None:
     freeze(folder, model, tokenizer, [*PROMPTS, LONG_PROMPT], extended=True)
 
 
+def make_phi3_longrope() -> None:
+    """Phi-3 with LongRoPE (the 128k-context configuration, shrunk): short factors up to the
+    original context of 32 positions, long factors past it, and the attention factor
+    sqrt(1 + ln(4) / ln(32)) of a 4x longer context. transformers picks the long factors
+    when a forward's sequence is longer than 32: the long prompt and its greedy steps."""
+    folder = fresh("phi3_longrope")
+    shutil.copy(OUT / "phi3" / "tokenizer.model", folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (OUT / "phi3" / name).is_file():
+            shutil.copy(OUT / "phi3" / name, folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    config = transformers.Phi3Config(
+        vocab_size=len(tokenizer),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        **{**SMALL, "max_position_embeddings": 128},
+        original_max_position_embeddings=32,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 32,
+            "short_factor": [1.0, 1.2, 1.6, 2.5],
+            "long_factor": [1.0, 2.0, 5.0, 12.0],
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|end|>"),
+        attn_implementation="eager",
+    )
+    torch.manual_seed(9)
+    model = transformers.Phi3ForCausalLM(config)
+    randomize_small_params(model, 9)
+    model.save_pretrained(folder)
+    freeze(folder, model, tokenizer, [*PROMPTS, LONG_PROMPT], extended=True)
+
+
 def make_gemma2() -> None:
     """Gemma 2: attention and final logit softcapping (small caps, so they bite), alternating
     sliding window, sandwich norms, SentencePiece tokenizer with the turn tokens."""
@@ -449,6 +485,7 @@ MAKERS = {
     "gemma3": make_gemma3,
     "mistral": make_mistral,
     "phi3": make_phi3,
+    "phi3_longrope": make_phi3_longrope,
     "gemma2": make_gemma2,
 }
 

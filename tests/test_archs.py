@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +29,6 @@ from picollama.convert import convert_hf_to_gguf  # noqa: E402
 from picollama.generation import Context  # noqa: E402
 from picollama.gguf import GGUFReader  # noqa: E402
 from picollama.models import load_model, supported_architectures  # noqa: E402
-from picollama.models.base import ModelLoadError  # noqa: E402
 from picollama.tools.cli import main as cli_main  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "convert"
@@ -227,30 +225,43 @@ def test_gemma2_keys(converted):
         assert "output.weight" not in {t.name for t in r.tensors}
 
 
-def test_phi3_longrope_is_converted_and_refused_clearly(tmp_path):
-    """A 128k-style Phi-3 config: the converter writes llama.cpp's LongRoPE factors and
-    attention factor; the engine, which has no LongRoPE yet, says so instead of running
-    with the wrong frequencies."""
-    folder = tmp_path / "phi3-long"
-    shutil.copytree(DATA / "phi3", folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["max_position_embeddings"] = 1024  # 4x the original 256
-    config["rope_parameters"] = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.5,
-        "long_factor": [1.0, 4.0],
-        "short_factor": [1.0, 1.5],
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    out = convert_hf_to_gguf(folder, tmp_path / "long.gguf", "f32")
-    with GGUFReader(out) as r:
-        assert list(r.tensor("rope_factors_long.weight").array()) == [1.0, 4.0]
-        assert list(r.tensor("rope_factors_short.weight").array()) == [1.0, 1.5]
-        want = np.sqrt(1 + np.log(4) / np.log(256))
+def test_phi3_longrope_matches_transformers(tmp_path):
+    """LongRoPE Phi-3 (tests/data/convert/phi3_longrope: original context 32, 4x extended).
+    transformers uses the short factors for sequences of up to 32 positions and the long ones
+    past that; we choose by the context size, as llama.cpp does, so a 32-position context
+    gives the short prompts' logits and a 160-position one the long prompt's and its greedy
+    continuation. Choosing the other set misses by far: the factors are tested."""
+    folder = DATA / "phi3_longrope"
+    path = convert_hf_to_gguf(folder, tmp_path / "longrope.gguf", "f32")
+    with GGUFReader(path) as r:
+        assert list(r.tensor("rope_factors_short.weight").array()) == [1.0, 1.2, 1.6, 2.5]
+        assert list(r.tensor("rope_factors_long.weight").array()) == [1.0, 2.0, 5.0, 12.0]
+        want = np.sqrt(1 + np.log(4) / np.log(32))
         assert r.get("phi3.rope.scaling.attn_factor") == pytest.approx(want, rel=1e-6)
-        with pytest.raises(ModelLoadError, match="LongRoPE"):
-            load_model(r, get_backend("cpu", n_threads=1))
+        assert r.get("phi3.rope.scaling.original_context_length") == 32
+    prompts = refs("phi3_longrope")["prompts"]
+    for i, prompt in enumerate(prompts):
+        want = np.load(folder / f"logits_{i}.npy")
+        long = len(prompt["ids"]) > 32
+        for n_ctx in (32, 160):
+            if len(prompt["ids"]) > n_ctx:
+                continue
+            ctx = Context(path, n_ctx=n_ctx, backend=get_backend("cpu", arithmetic="exact"))
+            try:
+                got = ctx.eval(prompt["ids"], all_logits=True)
+                if long == (n_ctx > 32):
+                    assert _rel_error(got, want) <= REL_ERROR, (i, n_ctx)
+                else:
+                    assert _rel_error(got, want) > 100 * REL_ERROR, (i, n_ctx)
+                if long:
+                    logits, ids = got[-1], []
+                    for _ in range(32):
+                        ids.append(int(np.argmax(logits)))
+                        logits = ctx.eval([ids[-1]])
+                    assert ids == prompt["greedy"]
+            finally:
+                ctx.close()
+    assert any(len(p["ids"]) > 32 for p in prompts) and any(len(p["ids"]) <= 32 for p in prompts)
 
 
 def test_mistral_alias_runs_the_llama_graph(tmp_path):
