@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,24 @@ class _Pair:
     a: Weight  # r rows of base.k inputs
     b: Weight  # base.m rows of r inputs
     rank: int  # r as in the file (a backend may hold it padded with zeros)
+
+
+@dataclass
+class _Tensor:
+    """A slice of an adapter tensor, shaped like the reader's ``TensorInfo``."""
+
+    name: str
+    type: GGMLType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def _split_parts(weights: dict[str, Weight], name: str) -> list[Weight]:
+    """The row ranges ``name[0]``, ``name[1]``, ... a model split the weight ``name`` into."""
+    parts = []
+    while f"{name}[{len(parts)}]" in weights:
+        parts.append(weights[f"{name}[{len(parts)}]"])
+    return parts
 
 
 # bytes per entry of the float types a rank can be padded in
@@ -127,24 +146,34 @@ class LoraAdapter:
                 )
             if name in _NOT_MATMUL:
                 raise self._fail(f"a LoRA on '{name}' (the embedding table) is not supported")
-            base = weights.get(name)
-            if base is None:
+            # a model may hold a fused weight as row ranges ("attn_qkv.weight[0]", ...): the
+            # term on each is B's rows of that range times the same A x
+            parts = [weights[name]] if name in weights else _split_parts(weights, name)
+            if not parts:
                 raise self._fail(f"'{name}' is not a weight of the model")
             a, b = half["a"], half["b"]
             if len(a.shape) != 2 or len(b.shape) != 2:
                 raise self._fail(f"'{name}': LoRA tensors must be matrices")
-            if a.shape[0] != base.k or b.shape[1] != base.m:
+            k, m = parts[0].k, sum(part.m for part in parts)
+            if a.shape[0] != k or b.shape[1] != m:
                 raise self._fail(
                     f"'{name}': lora_a {list(a.shape)} and lora_b {list(b.shape)} do not fit the "
-                    f"weight's shape {[base.k, base.m]} (are A and B swapped?)"
+                    f"weight's shape {[k, m]} (are A and B swapped?)"
                 )
             if a.shape[1] != b.shape[0]:
                 raise self._fail(
                     f"'{name}': lora_a {list(a.shape)} has rank {a.shape[1]} but lora_b "
                     f"{list(b.shape)} has rank {b.shape[0]}"
                 )
-            wa, wb = self._take(backend, a, b)
-            self.pairs[name] = _Pair(base, wa, wb, int(a.shape[1]))
+            row_bytes, row = b.data.nbytes // m, 0
+            for i, part in enumerate(parts):
+                b_part = b
+                if len(parts) > 1:
+                    data = b.data[row * row_bytes : (row + part.m) * row_bytes]
+                    b_part = _Tensor(f"{b.name}[{i}]", b.type, (b.shape[0], part.m), data)
+                wa, wb = self._take(backend, a, b_part)
+                self.pairs[part.name] = _Pair(part, wa, wb, int(a.shape[1]))
+                row += part.m
 
     def _take(self, backend, a, b) -> tuple[Weight, Weight]:
         """The pair on the backend. GPU kernels read rows in blocks of 32 (or 256) weights,
@@ -381,11 +410,17 @@ def write_random_adapter(
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", float(rank if alpha is None else alpha))
+    # the file's weights: row ranges a model split a fused weight into count as one
+    shapes: dict[str, tuple[int, int]] = {}
     for name, w in sorted(model_weights(model).items()):
         if not name.startswith("blk.") or len(w.shape) != 2:
             continue
-        a = rng.standard_normal((rank, w.k)) / np.sqrt(w.k)  # (r, k): GGUF (k, r)
-        b = rng.standard_normal((w.m, rank)) * (0.1 / np.sqrt(rank))  # (m, r): GGUF (r, m)
+        base = re.sub(r"\[\d+\]$", "", name)
+        k, m = shapes.get(base, (w.k, 0))
+        shapes[base] = (k, m + w.m)
+    for name, (k, m) in shapes.items():
+        a = rng.standard_normal((rank, k)) / np.sqrt(k)  # (r, k): GGUF (k, r)
+        b = rng.standard_normal((m, rank)) * (0.1 / np.sqrt(rank))  # (m, r): GGUF (r, m)
         writer.add_tensor(name + _SUFFIX_A, a.astype(dtype))
         writer.add_tensor(name + _SUFFIX_B, b.astype(dtype))
     writer.write()

@@ -539,7 +539,7 @@ def _merged_copy(base_path, adapter_path, scale, out):
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3", "phi3", "gemma2"])
 def test_adapter_equals_merged_weights(tmp_path, arch):
     """A random adapter on every projection (SwiGLU and GeGLU blocks, tied embeddings) gives
     the logits of the model with the adapter merged into its weights."""
@@ -561,7 +561,7 @@ def test_adapter_equals_merged_weights(tmp_path, arch):
     finally:
         merged_ctx.close()
     # float32 sums in two orders (W x + B (A x) against (W + B A) x): REL_ERROR["f32"]
-    # (measured 6.5e-7 llama, 3.8e-7 gemma3; without the adapter 0.54 and 0.31)
+    # (measured at most 1.5e-6, gemma2; without the adapter at least 0.31, gemma3)
     assert _rel(got, expected) < REL_ERROR["f32"]
     assert _rel(plain, expected) > 100 * REL_ERROR["f32"]  # the adapter matters
 
