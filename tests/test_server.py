@@ -235,6 +235,33 @@ def test_scheduler_prefix_sources(smollm2_path, tree_tokens):
         sched.stop()
 
 
+def test_scheduler_survives_a_request_that_cannot_start(smollm2_path):
+    from picollama.generation import Engine
+    from picollama.sampling.samplers import Sampler, SamplingParams
+    from picollama.server.scheduler import GenRequest, Scheduler
+
+    sched = Scheduler(Engine(smollm2_path), 1, 64)
+
+    def boom(*args):
+        raise RuntimeError("no copy")
+
+    sched._copy_prefix = boom
+    sched.start()
+    try:
+        req = GenRequest([1, 2, 3], Sampler(SamplingParams(temperature=0)), 2)
+        sched.submit([req])
+        ev = req.out.get(timeout=60)
+        assert ev.kind == "error" and "no copy" in ev.message
+        del sched._copy_prefix  # the next request is served normally
+        req = GenRequest([1, 2, 3], Sampler(SamplingParams(temperature=0)), 2)
+        sched.submit([req])
+        while (ev := req.out.get(timeout=60)).kind == "token":
+            pass
+        assert ev.kind == "done" and ev.finish_reason == "length"
+    finally:
+        sched.stop()
+
+
 class _Cache:
     """A KV cache's shape as the prefix tree sees it: per-layer arrays indexed by position."""
 

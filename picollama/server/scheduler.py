@@ -255,7 +255,11 @@ class Scheduler:
                     return
                 admitted = self._admit_locked()
             for slot, req in admitted:
-                self._start(slot, req)
+                try:
+                    self._start(slot, req)
+                except Exception as exc:  # nor one request that cannot start
+                    slot.ctx.truncate(0)
+                    self._finish(slot, "error", message=f"internal error: {exc!r}")
             try:
                 self.step()
             except Exception as exc:  # a bug in one step must not stop the server
@@ -357,6 +361,8 @@ class Scheduler:
             a.shape[0] != dst.n_ctx for a in dst.k
         ):
             return n_have  # ring-buffer (sliding-window) layers: positions don't line up
+        if not all(hasattr(type(a), "__setitem__") for a in dst.k + dst.v):
+            return n_have  # device buffers without slice assignment (OpenCL)
         for layer in range(src.n_layers):
             dst.k[layer][n_have:n_best] = src.k[layer][n_have:n_best]
             dst.v[layer][n_have:n_best] = src.v[layer][n_have:n_best]
