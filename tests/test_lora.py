@@ -210,7 +210,7 @@ def test_compiled_decode_step_with_adapters(files):
     ctx = _ctx(files["base-q8_0"], arithmetic="ggml")
     try:
         base = ctx.model
-        adapters = LoraSet(base, [(files["a1-f16"], 1.0), (files["a2-f32"], 0.5)])
+        adapters = LoraSet(base, [(files["a1-f16"], 1.0), (files["a2-bf16"], 0.5)])
         view = adapters.model_for()
         ids = REFS["ids"].tolist()
         ctx.model = view

@@ -2,7 +2,7 @@
 
 A LoRA adapter adds ``s * B (A x)`` to a base projection ``W x``, with ``A`` of ``r`` rows
 of ``k`` inputs and ``B`` of ``m`` rows of ``r`` inputs, ``r`` small (8 to 64). Both are
-F32 or F16, as llama.cpp's ``convert_lora_to_gguf`` writes them. Two matmuls, a scale and an
+F32, F16 or BF16, as llama.cpp's ``convert_lora_to_gguf`` writes them. Two matmuls, a scale and an
 add op by op would cost four short ops per projection; here it is one pass over the
 adapter's rows, called by ``CPUBackend.lora_add`` and by the compiled decode step (``step``),
 so both give the same floats.
@@ -24,12 +24,20 @@ import numpy as np
 from numba import prange
 
 from picollama.backends.base import Weight
-from picollama.backends.cpu.intrinsics import FASTMATH, load_f16, load_f32
+from picollama.backends.cpu.intrinsics import (
+    FASTMATH,
+    f32_from_bits,
+    load_f16,
+    load_f32,
+    load_u16,
+)
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["LORA_TYPES", "LoraB", "transpose_b", "lora_add", "lora_rows"]
 
-LORA_TYPES = (GGMLType.F32, GGMLType.F16)
+LORA_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+_F16 = int(GGMLType.F16)
+_BF16 = int(GGMLType.BF16)
 
 # from this many adapter weights times rows of x on, the rows run in parallel (a parallel
 # region costs more than it saves on one token of a rank-16 adapter of a small model)
@@ -40,14 +48,14 @@ _F32 = np.float32
 @dataclass
 class LoraB(Weight):
     """A lora_b weight (m rows of r) with its entries also as ``r`` rows of ``m``:
-    ``t_data``, uint8 (r, m * 4) for F32 or (r, m * 2) for F16."""
+    ``t_data``, uint8 (r, m * 4) for F32 or (r, m * 2) for F16 and BF16."""
 
     t_data: Any = None
 
 
 def transpose_b(b: Weight) -> LoraB:
-    """``b`` with its transposed copy (F32/F16 only)."""
-    dtype = np.float16 if b.type == GGMLType.F16 else np.float32
+    """``b`` with its transposed copy (F32, F16 or BF16)."""
+    dtype = np.float32 if b.type == GGMLType.F32 else np.uint16  # BF16: its bits
     r, m = b.k, b.m
     t = np.ascontiguousarray(np.asarray(b.data).view(dtype).reshape(m, r).T)
     return LoraB(b.name, b.type, b.shape, b.data, t.view(np.uint8).reshape(r, -1))
@@ -102,47 +110,59 @@ def _make_parts(load, size):
     return a_part, b_part
 
 
+@nb.njit(inline="always")
+def _load_bf16(w, row, offset):
+    # a bfloat16 is the top half of a float32
+    return f32_from_bits(np.uint32(load_u16(w, row, offset)) << np.uint32(16))
+
+
 _a_f16, _b_f16 = _make_parts(load_f16, 2)
+_a_bf16, _b_bf16 = _make_parts(_load_bf16, 2)
 _a_f32, _b_f32 = _make_parts(load_f32, 4)
 
 
 @nb.njit(cache=True, fastmath=FASTMATH)
-def _row(x, a, a_f16, bt, b_f16, s, y, out, t):
-    """One row: ``out = y + (s * A x) @ B.T`` with ``bt`` holding B transposed."""
-    if a_f16:
+def _row(x, a, a_type, bt, b_type, s, y, out, t):
+    """One row: ``out = y + (s * A x) @ B.T`` with ``bt`` holding B transposed; ``*_type``
+    the ggml type ids (F32, F16 or BF16)."""
+    if a_type == _F16:
         _a_f16(x, a, s, t)
+    elif a_type == _BF16:
+        _a_bf16(x, a, s, t)
     else:
         _a_f32(x, a, s, t)
-    if b_f16:
+    if b_type == _F16:
         _b_f16(t, bt, y, out)
+    elif b_type == _BF16:
+        _b_bf16(t, bt, y, out)
     else:
         _b_f32(t, bt, y, out)
 
 
 @nb.njit(cache=True)
-def _rows_serial(x, a, a_f16, bt, b_f16, s, y, out):
+def _rows_serial(x, a, a_type, bt, b_type, s, y, out):
     t = np.empty(a.shape[0], np.float32)
     for i in range(x.shape[0]):
-        _row(x[i], a, a_f16, bt, b_f16, s, y[i], out[i], t)
+        _row(x[i], a, a_type, bt, b_type, s, y[i], out[i], t)
 
 
 @nb.njit(cache=True, parallel=True)
-def _rows_parallel(x, a, a_f16, bt, b_f16, s, y, out):
+def _rows_parallel(x, a, a_type, bt, b_type, s, y, out):
     for i in prange(x.shape[0]):
         t = np.empty(a.shape[0], np.float32)
-        _row(x[i], a, a_f16, bt, b_f16, s, y[i], out[i], t)
+        _row(x[i], a, a_type, bt, b_type, s, y[i], out[i], t)
 
 
 @nb.njit(cache=True)
-def lora_rows(x, a, a_f16, bt, b_f16, s, y, out):
+def lora_rows(x, a, a_type, bt, b_type, s, y, out):
     """``out = y + s * (x @ A.T) @ B.T``; x (n, k) and y, out (n, m) float32 (``out`` not
     ``y``), ``a`` A's raw rows (uint8 (r, k * size)), ``bt`` B's transposed raw rows (uint8
-    (r, m * size)), ``*_f16`` their type (else F32)."""
+    (r, m * size)), ``*_type`` their ggml type ids (F32, F16 or BF16)."""
     work = x.shape[0] * a.shape[0] * (x.shape[1] + out.shape[1])
     if work >= _PARALLEL_MIN_WORK and x.shape[0] > 1:
-        _rows_parallel(x, a, a_f16, bt, b_f16, s, y, out)
+        _rows_parallel(x, a, a_type, bt, b_type, s, y, out)
     else:
-        _rows_serial(x, a, a_f16, bt, b_f16, s, y, out)
+        _rows_serial(x, a, a_type, bt, b_type, s, y, out)
 
 
 def lora_add(y: np.ndarray, x: np.ndarray, a: Weight, b: LoraB, s: float) -> np.ndarray:
@@ -150,6 +170,5 @@ def lora_add(y: np.ndarray, x: np.ndarray, a: Weight, b: LoraB, s: float) -> np.
     x = np.ascontiguousarray(x, dtype=np.float32)
     y = np.ascontiguousarray(y, dtype=np.float32)
     out = np.empty_like(y)
-    f16 = GGMLType.F16
-    lora_rows(x, a.data, a.type == f16, b.t_data, b.type == f16, np.float32(s), y, out)
+    lora_rows(x, a.data, int(a.type), b.t_data, int(b.type), np.float32(s), y, out)
     return out

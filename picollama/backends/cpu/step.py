@@ -50,7 +50,6 @@ _Q5_1 = int(GGMLType.Q5_1)
 _Q8_0 = int(GGMLType.Q8_0)
 _Q4_K = int(GGMLType.Q4_K)
 _Q6_K = int(GGMLType.Q6_K)
-_F16 = int(GGMLType.F16)
 assert {_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q6_K} == {int(t) for t in SIMD_TYPES}
 
 
@@ -228,9 +227,8 @@ def _run(code, fargs, ws, wtypes, consts, arena, k_cache, v_cache, pos, n_tasks,
             x = arena[c[1] : c[1] + k].reshape(1, k)
             y = arena[c[5] : c[5] + m].reshape(1, m)
             out = arena[c[6] : c[6] + m].reshape(1, m)
-            a_f16 = wtypes[c[3]] == _F16
-            b_f16 = wtypes[c[4]] == _F16
-            lora_rows(x, ws[c[3]], a_f16, ws[c[4]], b_f16, np.float32(fargs[i, 0]), y, out)
+            s = np.float32(fargs[i, 0])
+            lora_rows(x, ws[c[3]], wtypes[c[3]], ws[c[4]], wtypes[c[4]], s, y, out)
         elif op == _OP_LORA and c[8] > 1:
             _lora_terms(code, fargs, i, c[8], ws, wtypes, arena)
 
@@ -247,9 +245,8 @@ def _lora_terms(code, fargs, first, n, ws, wtypes, arena):
         x = arena[c[1] : c[1] + k]
         y = arena[c[5] : c[5] + m]
         out = arena[c[6] : c[6] + m]
-        a_f16 = wtypes[c[3]] == _F16
-        b_f16 = wtypes[c[4]] == _F16
-        _row(x, ws[c[3]], a_f16, ws[c[4]], b_f16, np.float32(fargs[first + j, 0]), y, out, t)
+        s = np.float32(fargs[first + j, 0])
+        _row(x, ws[c[3]], wtypes[c[3]], ws[c[4]], wtypes[c[4]], s, y, out, t)
 
 
 # ---- tracing ----
