@@ -254,9 +254,9 @@ def _simd_parts(qtype: int):
     @njit(inline="always")
     def rows(w, xq, xd, xs, bsums, out, r_lo, r_hi):
         n = xq.shape[0]
-        if n < 4:
-            for i in range(n):
-                for r in range(r_lo, r_hi):
+        if n < 4:  # each weight row read from memory once, then from L1 for the next x rows
+            for r in range(r_lo, r_hi):
+                for i in range(n):
                     vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
             return
         for i0 in range(0, n, TILE_ROWS):
