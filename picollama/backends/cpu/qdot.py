@@ -38,7 +38,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from picollama.backends.cpu import qdot_unpack as U
-from picollama.backends.cpu.intrinsics import f32_from_bits, load_f16, load_u16, load_u32, opaque
+from picollama.backends.cpu.intrinsics import f32_from_bits, load_f16, load_u16, opaque
 from picollama.backends.cpu.qdot_act import (
     VEC_DOT_TYPE,
     _quantize_q8_0,
@@ -368,33 +368,46 @@ def _float_kernel(qtype: int):
     is_f16 = qtype == GGMLType.F16
 
     @njit(cache=True, fastmath=True)
-    def rows(xf, w, out, k, r_lo, r_hi):
+    def dot(wrow, xrow, k):
+        acc = np.float32(0.0)
+        for j in range(k):
+            acc += wrow[j] * xrow[j]
+        return acc
+
+    @njit(cache=True, fastmath=True)
+    def rows(xf, w, w32, out, k, r_lo, r_hi):
+        """F32 weights are read in place (``w32``: their float32 view); F16 and BF16 rows
+        are widened once into ``wf`` for all the rows of x."""
         n = xf.shape[0]
         wf = np.empty(k, np.float32)
         for i0 in range(0, n, TILE_ROWS):
             i1 = min(n, i0 + TILE_ROWS)
             for r in range(r_lo, r_hi):
+                if is_f32:
+                    wrow = w32[r]
+                    for i in range(i0, i1):
+                        out[i, r] = dot(wrow, xf[i], k)
+                    continue
                 for j in range(k):
-                    if is_f32:
-                        wf[j] = f32_from_bits(load_u32(w, r, 4 * j))
-                    elif is_f16:
+                    if is_f16:
                         wf[j] = load_f16(w, r, 2 * j)  # vcvtph2ps: exact for finite values
                     else:
                         wf[j] = f32_from_bits(np.uint32(load_u16(w, r, 2 * j)) << 16)
                 for i in range(i0, i1):
-                    xrow = xf[i]
-                    acc = np.float32(0.0)
-                    for j in range(k):
-                        acc += wf[j] * xrow[j]
-                    out[i, r] = acc
+                    out[i, r] = dot(wf, xf[i], k)
 
     @njit(cache=True, parallel=True)
-    def kernel(xf, w, out, k, n_tasks):
+    def kernel(xf, w, w32, out, k, n_tasks):
         m = w.shape[0]
         for t in prange(n_tasks):
-            rows(xf, w, out, k, t * m // n_tasks, (t + 1) * m // n_tasks)
+            rows(xf, w, w32, out, k, t * m // n_tasks, (t + 1) * m // n_tasks)
 
     return kernel
+
+
+# the unused float32 view passed for F16 and BF16 weights (read-only, as F32 views are)
+_NO_F32_ROWS = np.zeros((0, 0), np.float32)
+_NO_F32_ROWS.flags.writeable = False
 
 
 # ---- public API ----
@@ -437,7 +450,8 @@ def matmul_q8(x: np.ndarray, w: np.ndarray, qtype, k: int) -> np.ndarray:
         return out
     q = quantize_rows(x, VEC_DOT_TYPE[qtype])
     if qtype in _FLOAT:
-        _float_kernel(int(qtype))(q.qs, wv, out, k, _n_tasks(m))
+        w32 = wv.view(np.float32) if qtype == GGMLType.F32 else _NO_F32_ROWS
+        _float_kernel(int(qtype))(q.qs, wv, w32, out, k, _n_tasks(m))
     else:
         _quant_kernel(int(qtype))(q.qs, q.d, q.s, q.bsums, wv, out, k, _n_tasks(m))
     return out
