@@ -507,7 +507,7 @@ class _Tracer:
         return out
 
 
-def _group_lora_terms(code: np.ndarray) -> None:
+def _group_lora_terms(code: np.ndarray, fargs: np.ndarray) -> None:
     """Mark runs of LoRA rows on one input that do not read each other's outputs: the first
     row of a run gets the run's length (``_run`` does them in one parallel region), the
     others 0 (already done)."""
@@ -525,6 +525,10 @@ def _group_lora_terms(code: np.ndarray) -> None:
         ):
             written.add(int(code[j, 6]))
             j += 1
+        # the largest term last: three terms on two threads go (0, 1) and (2), so Q (the
+        # largest of Q, K, V) runs beside K and V, not K beside V
+        order = sorted(range(i, j), key=lambda row: int(code[row, 2] + code[row, 7]))
+        code[i:j], fargs[i:j] = code[order], fargs[order]
         code[i, 8] = j - i
         code[i + 1 : j, 8] = 0
         i = j
@@ -540,7 +544,7 @@ class _Program:
         for i, (ints, floats) in enumerate(tracer.rows):
             self.code[i, : len(ints)] = ints
             self.fargs[i, : len(floats)] = floats
-        _group_lora_terms(self.code)
+        _group_lora_terms(self.code, self.fargs)
         self.weights = List()
         for w in tracer.weights:
             view = np.asarray(w.data).view()
