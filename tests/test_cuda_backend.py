@@ -231,6 +231,62 @@ def test_int8_matvec_fusions(be):
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("neox,n_rot,hdv", [(False, 64, 64), (True, 64, 64), (False, 32, 32)])
+def test_int8_qkv_rope_store(be, neox, n_rot, hdv):
+    """The decode graphs' Q/K/V launch with RoPE and the KV cache write folded in (the
+    kernel takes rows in RoPE's pairs and turns them with rope's float32 operations) equals
+    matmul, rope, rope and store_kv run one by one, bit for bit: q, k and every cache row
+    (the one written and the ones it must leave alone). GQA 4:2, head_dim 64, partial
+    rotation (n_rot 32, v heads of 32) and both pair orders, at a position past 0."""
+    from picollama.backends.cuda.backend import _Matvec, _RopeStore
+
+    rng = np.random.default_rng(31 + n_rot + int(neox))
+    k, hd, n_heads, n_kv, n_ctx, pos = 512, 64, 4, 2, 8, 5
+    shapes = (
+        (GGMLType.Q4_K, n_heads * hd),
+        (GGMLType.Q4_K, n_kv * hd),
+        (GGMLType.Q4_K, n_kv * hdv),
+    )
+    weights = []
+    for qtype, m in shapes:
+        raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
+        weights.append(be.weight("w", qtype, (k, m), raw))
+    x = be.from_host(rng.standard_normal((1, k)).astype(np.float32))
+    positions = np.array([pos])
+    base, scale = 10000.0, 0.5
+    fill = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+    fill_v = rng.standard_normal((n_ctx, n_kv, hdv)).astype(np.float32)
+    caches = []
+    for _ in range(2):
+        cache = be.new_kv_cache(1, n_ctx, n_kv, hd, hdv)
+        be.store_kv(cache, 0, be.from_host(fill), be.from_host(fill_v), 0)
+        caches.append(cache)
+
+    q, kk, v = (be.matmul(x, w) for w in weights)
+    q_ref = be.rope(q.reshape(1, n_heads, hd), positions, n_rot, base, scale, neox)
+    k_ref = be.rope(kk.reshape(1, n_kv, hd), positions, n_rot, base, scale, neox)
+    be.store_kv(caches[0], 0, k_ref, v.reshape(1, n_kv, hdv), pos)
+
+    theta_scale = np.float32(np.float32(base) ** (np.float32(-2.0) / np.float32(n_rot)))
+    ys = [be._empty((1, w.m)) for w in weights]
+    mv = _Matvec(be, True, weights[0].data, ys[0], x, 1)
+    mv.weights += [weights[1].data, weights[2].data]
+    mv.ys += ys[1:]
+    dev_pos = be._upload_i32(positions)
+    mv.rope = _RopeStore(
+        dev_pos, dev_pos, caches[1].k[0], caches[1].v[0], hd, hdv, n_rot, neox, n_ctx,
+        theta_scale, np.float32(scale),
+    )  # fmt: skip
+    with be._stream:
+        mv.run()
+    np.testing.assert_array_equal(be.to_host(ys[0]), be.to_host(q_ref).reshape(1, -1))
+    np.testing.assert_array_equal(be.to_host(ys[1]), be.to_host(k_ref).reshape(1, -1))
+    np.testing.assert_array_equal(be.to_host(ys[2]), be.to_host(v))
+    np.testing.assert_array_equal(caches[1].k[0].get(), caches[0].k[0].get())
+    np.testing.assert_array_equal(caches[1].v[0].get(), caches[0].v[0].get())
+    assert not np.array_equal(caches[1].k[0].get()[pos], fill[pos].astype(np.float16))
+
+
 Q8DOT = sorted(layout.Q8DOT_TYPES)
 
 

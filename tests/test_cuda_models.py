@@ -172,12 +172,16 @@ def test_graph_replay_equals_eager(model_file, fuse, arithmetic):
     norm's float32 scale by one ulp in rare cases (and with int8 activations, in rarer
     ones, an int8 code by one): 1e-6 of the largest logit allows the first, 1e-4 the
     second, while a wrong buffer or position moves logits by O(1). The other fusions
-    (Q/K/V, gate/up/activation, rope/store_kv) compute bit-identical values."""
-    graphs = _cuda(graphs=True, fuse=fuse, arithmetic=arithmetic)
+    (Q/K/V, with RoPE and the KV write for int8; gate/up/activation; rope/store_kv) compute
+    bit-identical values. The graphs' kernels are programmatic dependents here (sm_90 on;
+    each waits for the one before inside): a missing wait would show as a race."""
+    graphs = _cuda(graphs=True, fuse=fuse, arithmetic=arithmetic, dependent_launch=True)
     tokens_g, logits_g = _greedy(graphs, model_file, n_gen=12)
     tokens_e, logits_e = _greedy(_cuda(graphs=False, arithmetic=arithmetic), model_file, n_gen=12)
     assert tokens_g == tokens_e
     assert graphs.graph_stats["whole"] == 12 - 1 - _TRUST_AFTER
+    if int(graphs.cp.cuda.Device(graphs.device_id).compute_capability) >= 90:
+        assert graphs.graph_stats["dependent_launch"]  # used, not fallen back from
     if fuse:
         tol = 1e-6 if arithmetic == "exact" else 1e-4
         assert np.abs(logits_g - logits_e).max() <= tol * np.abs(logits_e).max()

@@ -48,12 +48,16 @@ into them (the matvec normalizes x itself, and, with int8 activations, quantizes
 normalized values), residual adds into the matvec that produces their addend, and with
 "ggml" arithmetic sibling matvecs of one x (Q, K, V) into one launch and the gate and up
 matvecs with their SwiGLU/GeGLU into one launch; RoPE of q and k and the KV cache write go
-into one kernel. A Llama layer runs 6 kernels instead of 16.
+into that Q/K/V launch (int8, one token; elsewhere into one kernel of their own). A Llama
+layer runs 5 kernels instead of 16. With ``dependent_launch`` (sm_90 on) the graph's
+kernels are launched as programmatic dependents (``_DependentLauncher``): each is scheduled
+while the one before it finishes and waits for it inside.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
 import math
 import time
@@ -72,7 +76,6 @@ log = logging.getLogger("picollama.cuda")
 
 MV_MAX_TOKENS = 8  # rows of x that take the fused matrix-vector kernel (quant.cu)
 _MV_WARPS = 8  # warps per block of the matvec kernel (quant.cu)
-_MVQ_WARPS = 8  # warps per block of the int8-activation matvec kernel (mmvq.cu)
 _MVQ_WIDE_K = 8192  # one token, x at least this wide: matvec_q8_n1_wide (mmvq.cu)
 _MV_PAD = 36  # floats of shared memory per chunk of 32 values of x (quant.cu)
 _MV_SMEM_LIMIT = 200 << 10  # bytes of x in shared memory; more rows go through cuBLAS
@@ -122,13 +125,17 @@ class _DeviceWeight:
 class _Kernels:
     """The kernels of one weight type (matvec_q8* only for ``layout.Q8DOT_TYPES``)."""
 
-    __slots__ = ("matvec", "dequant", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide")
+    __slots__ = (
+        "matvec", "dequant", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
+        "matvec_q8_rope", "mvq_warps",
+    )  # fmt: skip
 
     def __init__(self, matvec, dequant, get_rows):
         self.matvec = matvec
         self.dequant = dequant
         self.get_rows = get_rows
-        self.matvec_q8 = self.matvec_q8_n1 = self.matvec_q8_wide = None
+        self.matvec_q8 = self.matvec_q8_n1 = self.matvec_q8_wide = self.matvec_q8_rope = None
+        self.mvq_warps = 8  # warps per block of the matvec_q8 kernels (mmvq.cu's MVQ_WARPS)
 
 
 class _Launch:
@@ -146,8 +153,11 @@ class _Launch:
     def copy(self) -> _Launch:
         return _Launch(self.kernel, self.grid, self.block, self.args, self.shm)
 
-    def run(self) -> None:
-        self.kernel(self.grid, self.block, self.args, shared_mem=self.shm)
+    def run(self, pdl: _DependentLauncher | None = None) -> None:
+        if pdl is not None and id(self.kernel) in pdl.kernels:
+            pdl.launch(self.kernel, self.grid, self.block, self.args, self.shm, pdl.stream)
+        else:
+            self.kernel(self.grid, self.block, self.args, shared_mem=self.shm)
 
 
 class _Matvec:
@@ -158,10 +168,14 @@ class _Matvec:
     the int8 kernel) each write ``ys[i] = x @ W_i^T`` (n rows); with ``norm_w`` x is first
     RMS-normalized and scaled by it; with ``resid``, ``ys[0] = resid + x @ W_0^T``; with
     ``act`` (1: SiLU, 2: GELU) the two weights are a gate and an up matrix and
-    ``ys[0] = act(x @ W_0^T) * (x @ W_1^T)``.
+    ``ys[0] = act(x @ W_0^T) * (x @ W_1^T)``. With ``rope`` (one token, int8 kernel; the
+    weights are Q, K and V), ``ys[0]`` and ``ys[1]`` get q and k turned by RoPE and k and v
+    also go to the KV cache (``_RopeStore``).
     """
 
-    __slots__ = ("be", "q8", "weights", "ys", "x", "n", "k", "norm_w", "eps", "resid", "act")
+    __slots__ = (
+        "be", "q8", "weights", "ys", "x", "n", "k", "norm_w", "eps", "resid", "act", "rope",
+    )  # fmt: skip
 
     def __init__(self, be, q8: bool, w, y, x, n: int):
         self.be = be
@@ -175,6 +189,7 @@ class _Matvec:
         self.eps = 0.0
         self.resid = None
         self.act = 0
+        self.rope = None
 
     def copy(self) -> _Matvec:
         c = copy.copy(self)
@@ -182,8 +197,25 @@ class _Matvec:
         c.ys = list(self.ys)
         return c
 
-    def run(self) -> None:
-        self.be._run_matvec(self)
+    def run(self, pdl: _DependentLauncher | None = None) -> None:
+        self.be._run_matvec(self, pdl)
+
+
+@dataclass(frozen=True, eq=False)
+class _RopeStore:
+    """What a Q/K/V matvec needs to do rope(q), rope(k) and store_kv(k, v) itself."""
+
+    pos: object  # device int32: the token's position
+    start: object  # device int32: the cache row written
+    kc: object  # the layer's fp16 caches
+    vc: object
+    head_dim: int
+    head_dim_v: int
+    n_rot: int
+    neox: bool
+    n_ctx: int
+    theta_scale: np.float32
+    freq_scale: np.float32
 
 
 class _OpRecord:
@@ -224,6 +256,78 @@ class _Step:
         self.clean = 0
 
 
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute (cuda.h)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("n_attrs", ctypes.c_uint),
+    ]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _DependentLauncher:
+    """Kernel launches with programmatic stream serialization (cuLaunchKernelEx through
+    ctypes; sm_90 on): the kernel may be scheduled before the one before it on the stream
+    has finished, and waits for it in ``pdl_wait()`` (common.cuh). Only kernels that call
+    ``pdl_wait()`` before touching memory may be launched so (``kernels``); inside a
+    captured graph the dependency becomes a programmatic edge, so that a kernel's blocks
+    are resident and start as soon as the one before finishes, instead of after a launch."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._launch = lib.cuLaunchKernelEx
+        self._launch.argtypes = [
+            ctypes.POINTER(_LaunchConfig),
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_void_p,
+        ]
+        self._launch.restype = ctypes.c_int
+        self._attr = _LaunchAttribute()
+        self._attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        self._attr.value = (1).to_bytes(4, "little")  # programmaticStreamSerializationAllowed
+        self.kernels: set[int] = set()  # id() of the RawKernels that call pdl_wait()
+        self.stream = 0  # the backend's stream (handle)
+
+    @staticmethod
+    def _arg(a):
+        if isinstance(a, np.int32):
+            return ctypes.c_int32(int(a))
+        if isinstance(a, np.int64):
+            return ctypes.c_int64(int(a))
+        if isinstance(a, np.float32):
+            return ctypes.c_float(float(a))
+        if hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array
+            return ctypes.c_void_p(a.data.ptr)
+        raise TypeError(f"kernel argument of type {type(a).__name__}")
+
+    def launch(self, kernel, grid, block, args, shared_mem, stream_ptr) -> None:
+        values = [self._arg(a) for a in args]
+        params = (ctypes.c_void_p * len(values))(
+            *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values]
+        )
+        cfg = _LaunchConfig()
+        for i in range(3):
+            cfg.grid[i] = int(grid[i]) if i < len(grid) else 1
+            cfg.block[i] = int(block[i]) if i < len(block) else 1
+        cfg.shared_mem = int(shared_mem)
+        cfg.stream = stream_ptr
+        cfg.attrs = ctypes.pointer(self._attr)
+        cfg.n_attrs = 1
+        err = self._launch(ctypes.byref(cfg), kernel.kernel.ptr, params, None)
+        if err != 0:
+            raise BackendError(f"cuLaunchKernelEx failed with CUDA error {err}")
+
+
 def _root(a):
     base = a.base
     return a if base is None else base
@@ -247,8 +351,10 @@ class CUDABackend(Backend):
     "exact" (float32 activations, exactly dequantized weights). ``graphs`` (default True)
     captures single-token forward passes as CUDA graphs, and ``whole_steps`` (default True)
     replays a proven step without walking the model (module doc); ``fuse`` (default True)
-    fuses the kernels of those graphs. ``n_threads`` is accepted for symmetry with the CPU
-    backend and ignored.
+    fuses the kernels of those graphs, and ``dependent_launch`` (default False; sm_90 and
+    newer) lets each kernel of a graph be scheduled while the one before it finishes
+    (``_DependentLauncher``; measured 1-3% slower on the H200, hence off). ``n_threads``
+    is accepted for symmetry with the CPU backend and ignored.
     """
 
     name = "cuda"
@@ -261,6 +367,7 @@ class CUDABackend(Backend):
         fuse: bool = True,
         arithmetic: str = "ggml",
         whole_steps: bool = True,
+        dependent_launch: bool = False,
     ):
         if arithmetic not in ARITHMETICS:
             raise BackendError(f"unknown CUDA arithmetic '{arithmetic}' (ggml or exact)")
@@ -348,6 +455,17 @@ class CUDABackend(Backend):
             "wait_s": 0.0,
         }
         self._step_t0 = 0.0
+        self._pdl = None
+        if dependent_launch and int(props.get("major", 0)) >= 9:
+            try:
+                self._pdl = _DependentLauncher()
+            except (OSError, AttributeError) as err:  # no libcuda.so.1 or too old a driver
+                log.info("cuda: programmatic dependent launch unavailable (%s)", err)
+        if self._pdl is not None:
+            self._pdl.stream = self._stream.ptr
+            self._pdl.kernels = {id(k) for k in self._k_att_gqa.values()}
+            self._pdl.kernels.add(id(self._k_rope_store))
+        self.graph_stats["dependent_launch"] = self._pdl is not None
         # eager mode: device copies of host index arrays, reused within one forward pass
         self._dev_pos_src = None
         self._dev_pos = None
@@ -372,12 +490,16 @@ class CUDABackend(Backend):
                         kernels.matvec_q8 = mod.get_function("matvec_q8")
                         kernels.matvec_q8_n1 = mod.get_function("matvec_q8_n1")
                         kernels.matvec_q8_wide = mod.get_function("matvec_q8_n1_wide")
+                        kernels.matvec_q8_rope = mod.get_function("matvec_q8_n1_rope")
+                        # __launch_bounds__(MVQ_WARPS * 32) caps this at the block size
+                        kernels.mvq_warps = kernels.matvec_q8_n1.max_threads_per_block // 32
                     # x is staged in dynamic shared memory: allow more than 48 KiB
                     for kernel in (
                         kernels.matvec,
                         kernels.matvec_q8,
                         kernels.matvec_q8_n1,
                         kernels.matvec_q8_wide,
+                        kernels.matvec_q8_rope,
                     ):
                         if kernel is not None:
                             kernel.max_dynamic_shared_size_bytes = self._mv_smem_limit()
@@ -824,23 +946,34 @@ class CUDABackend(Backend):
         stream = self._stream
         launches = self._fuse(trace) if self.fuse else trace.launches
         trace.n_graph_kernels = len(launches)
-        try:
-            with stream:
-                stream.begin_capture()
-                try:
-                    for launch in launches:
-                        launch.run()
-                finally:
-                    graph = stream.end_capture()
-            trace.graph = graph
-        except (
+        errors = (
             cp.cuda.runtime.CUDARuntimeError,
             cp.cuda.driver.CUDADriverError,
             AttributeError,  # a CuPy without stream capture
-        ) as err:
-            log.warning("cuda: capturing a decode step failed (%s); graphs turned off", err)
-            self.graphs = False
-            return
+            BackendError,  # cuLaunchKernelEx refused a dependent launch
+            TypeError,  # an argument _DependentLauncher cannot pass
+        )
+        while True:
+            pdl = self._pdl
+            try:
+                with stream:
+                    stream.begin_capture()
+                    try:
+                        for launch in launches:
+                            launch.run(pdl)
+                    finally:
+                        graph = stream.end_capture()
+                trace.graph = graph
+                break
+            except errors as err:
+                if pdl is not None:  # once more with plain launches
+                    log.warning("cuda: dependent launches failed (%s); plain launches", err)
+                    self._pdl = None
+                    self.graph_stats["dependent_launch"] = False
+                    continue
+                log.warning("cuda: capturing a decode step failed (%s); graphs turned off", err)
+                self.graphs = False
+                return
         self._traces[id(trace.first_weight)] = trace
         self.graph_stats["recorded"] += 1
         self.graph_stats["kernels"] = trace.n_graph_kernels
@@ -990,7 +1123,57 @@ class CUDABackend(Backend):
                 nxt += 1
             j = nxt
 
-        # rope(q), rope(k), store_kv(k, v)
+        # rope(q), rope(k) and store_kv(k, v) into the Q/K/V matvec (one token, int8)
+        for iq, rec in enumerate(ops):
+            if rec.key[0] != "rope":
+                continue
+            ik = iq + 1
+            rq, rk = only(iq, self._k_rope), only(ik, self._k_rope)
+            if rq is None or rk is None:
+                continue
+            q_in, pos, q_out, n_heads, head_dim, n_rot, theta_scale, freq_scale, neox = rq.args
+            k_in, pos_k, k_out, n_kv = rk.args[:4]
+            if not same(pos, pos_k) or int(rq.grid[0]) != 1 or int(rk.grid[0]) != 1:
+                continue
+            if tuple(float(a) for a in rq.args[4:]) != tuple(float(a) for a in rk.args[4:]):
+                continue
+            j = made_at(q_in)
+            mv = only(j, _Matvec)
+            if mv is None or not mv.q8 or mv.n != 1 or len(mv.weights) != 3:
+                continue
+            if mv.act or mv.resid is not None or mv.rope is not None:
+                continue
+            if not (same(mv.ys[0], q_in) and same(mv.ys[1], k_in)):
+                continue
+            if uses(q_in) != [iq] or uses(k_in) != [ik]:
+                continue
+            stores = [s_ for s_ in uses(k_out) if ops[s_].key[0] == "store_kv"]
+            if len(stores) != 1:
+                continue
+            s_ = stores[0]
+            st = only(s_, self._k_store)
+            if st is None:
+                continue
+            k_st, v, kc, vc, start, n, kdim, vdim, n_ctx = st.args
+            if not same(k_st, k_out) or not same(v, mv.ys[2]) or int(n) != 1:
+                continue
+            m_q, m_k, m_v = (dw.m for dw in mv.weights)
+            hd, n_kv_i = int(head_dim), int(n_kv)
+            if m_q != int(n_heads) * hd or m_k != n_kv_i * hd or int(kdim) != m_k:
+                continue
+            if int(vdim) != m_v or m_v % n_kv_i or (m_v // n_kv_i) % 2 or hd % 2:
+                continue
+            # the cache is written at the matvec now: nothing in between may read or write it
+            if any(ops[i].key[0] in ("store_kv", "attention") for i in range(j + 1, s_)):
+                continue
+            mv.ys = [q_out, k_out, mv.ys[2]]
+            mv.rope = _RopeStore(
+                pos, start, kc, vc, hd, m_v // n_kv_i, int(n_rot), bool(int(neox)),
+                int(n_ctx), np.float32(theta_scale), np.float32(freq_scale),
+            )  # fmt: skip
+            dropped.update((bounds[iq], bounds[ik], bounds[s_]))
+
+        # rope(q), rope(k), store_kv(k, v) in one kernel, where the above did not apply
         for iq, rec in enumerate(ops):
             if rec.key[0] != "rope":
                 continue
@@ -1067,7 +1250,7 @@ class CUDABackend(Backend):
             self._gemm(x2, dw, kernels.dequant, y)
         return y
 
-    def _run_matvec(self, mv: _Matvec) -> None:
+    def _run_matvec(self, mv: _Matvec, pdl: _DependentLauncher | None = None) -> None:
         """Launch ``mv`` (on the backend's stream) with a grid of one wave of blocks: each
         block stages x in shared memory once and then walks through many rows."""
         dw0: _DeviceWeight = mv.weights[0]
@@ -1078,6 +1261,8 @@ class CUDABackend(Backend):
         if mv.q8:
             if n > 1:
                 kernel = kernels.matvec_q8
+            elif mv.rope is not None:
+                kernel = kernels.matvec_q8_rope
             else:
                 kernel = kernels.matvec_q8_wide if k >= _MVQ_WIDE_K else kernels.matvec_q8_n1
             smem = _q8_smem(n, k)
@@ -1101,9 +1286,17 @@ class CUDABackend(Backend):
                 np.int32(has_resid),
                 np.int32(mv.act),
             ]
+            rs = mv.rope
+            if rs is None:  # the kernel reads none of these
+                args += [mv.x, mv.x, mv.x, mv.x] + [np.int32(0)] * 5 + [np.float32(0)] * 2
+            else:
+                args += [rs.pos, rs.start, rs.kc, rs.vc, np.int32(rs.head_dim)]
+                args += [np.int32(rs.head_dim_v), np.int32(rs.n_rot), np.int32(rs.neox)]
+                args += [np.int32(rs.n_ctx), np.float32(rs.theta_scale)]
+                args += [np.float32(rs.freq_scale)]
             rows = dw0.m if mv.act else sum(dw.m for dw in mv.weights)
-            rows_per_block = _MVQ_WARPS * (1 if mv.act else 2)  # a warp takes two rows
-            threads = _MVQ_WARPS * 32
+            rows_per_block = kernels.mvq_warps * (1 if mv.act else 2)  # a warp: two rows
+            threads = kernels.mvq_warps * 32
         else:
             assert len(mv.weights) == 1 and not mv.act, "the float matvec takes one weight"
             kernel = kernels.matvec
@@ -1133,7 +1326,11 @@ class CUDABackend(Backend):
             self._smem_per_sm // max(smem + 1024, 1),
         )
         n_blocks = min((rows + rows_per_block - 1) // rows_per_block, self._n_sm * max(1, per_sm))
-        kernel((max(1, n_blocks),), (threads,), tuple(args), shared_mem=smem)
+        grid = (max(1, n_blocks),)
+        if pdl is not None and mv.q8:  # the int8 kernels call pdl_wait()
+            pdl.launch(kernel, grid, (threads,), args, smem, pdl.stream)
+        else:
+            kernel(grid, (threads,), tuple(args), shared_mem=smem)
 
     def _gemm(self, x, dw: _DeviceWeight, dequant, y) -> None:
         """y = x @ W.T through float32 tiles of W and cuBLAS (prefill)."""

@@ -170,6 +170,7 @@ def _run_one(
     graphs: bool,
     arithmetic: str,
     profile: bool = False,
+    dependent_launch: bool = True,
 ) -> dict:
     """Load one model on the CUDA backend and time pp/tg (runs in its own process)."""
     from picollama.backends.cuda.backend import CUDABackend
@@ -177,7 +178,7 @@ def _run_one(
     from picollama.tools.bench import _run_pp, _run_tg
 
     t0 = time.perf_counter()
-    backend = CUDABackend(graphs=graphs, arithmetic=arithmetic)
+    backend = CUDABackend(graphs=graphs, arithmetic=arithmetic, dependent_launch=dependent_launch)
     ctx = Context(path, n_ctx=max(n_prompt, n_gen), n_batch=n_prompt, backend=backend)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
@@ -211,12 +212,13 @@ KERNEL_SHAPES = (  # (type, k, m, gate+up fused)
 )
 
 
-def profile_step(backend, reps: int = 5) -> list[tuple[str, int, float]]:
-    """Where a decode step's GPU time goes: the step's fused launches (as its graph runs
-    them) launched one by one with events between them, ``reps`` times; (kernel, launches
-    per step, microseconds per step), largest first."""
-    import cupy as cp
-
+def profile_step(backend, reps: int = 20) -> list[tuple[str, int, float]]:
+    """Where a decode step's GPU time goes, by leaving kernels out: the step's fused launches
+    are captured into a graph whole and once without each kind of kernel; a kind's share is
+    the whole graph's time minus the time of the graph without it (each timed over ``reps``
+    replays; the outputs are garbage, the timing is not: no kernel's work depends on the
+    values). Returns (kernel, launches per step, microseconds per step), largest first,
+    and ("graph", launches, whole step) first of all."""
     from picollama.backends.cuda.backend import _Matvec
 
     trace = next(t for t in backend._traces.values() if t.graph is not None)
@@ -230,29 +232,23 @@ def profile_step(backend, reps: int = 5) -> list[tuple[str, int, float]]:
         w = launch.weights[0]
         rows = sum(dw.m for dw in launch.weights) if not launch.act else w.m
         what = "gate+up+act" if launch.act else f"{len(launch.weights)} weight(s)"
+        what += " +rope+store" if launch.rope is not None else ""
         kind = "matvec_q8" if launch.q8 else "matvec"
         return f"{kind} {w.qtype.name} {rows}x{w.k} {what}"
 
-    totals: dict[str, list] = {}
-    stream = backend._stream
-    events = [cp.cuda.Event() for _ in range(len(launches) + 1)]
-    with stream:
-        backend._upload_params()
-        for _ in range(reps):
-            events[0].record(stream)
-            for i, launch in enumerate(launches):
-                launch.run()
-                events[i + 1].record(stream)
-            events[-1].synchronize()
-            for i, launch in enumerate(launches):
-                entry = totals.setdefault(name(launch), [0, 0.0])
-                entry[0] += 1
-                entry[1] += cp.cuda.get_elapsed_time(events[i], events[i + 1]) * 1000
-    rows = [(k, v[0] // reps, v[1] / reps) for k, v in totals.items()]
-    return sorted(rows, key=lambda r: -r[2])
+    kinds = [name(launch) for launch in launches]
+    backend._upload_params()
+    whole = _graph_us(backend, launches, reps)
+    rows = [("graph", len(launches), whole)]
+    for kind in dict.fromkeys(kinds):
+        rest = [launch for launch, k in zip(launches, kinds, strict=True) if k != kind]
+        rows.append((kind, kinds.count(kind), whole - _graph_us(backend, rest, reps)))
+    return rows[:1] + sorted(rows[1:], key=lambda r: -r[2])
 
 
-def kernel_bench(reps: int = 64, shapes=KERNEL_SHAPES) -> list[tuple[str, float, float]]:
+def kernel_bench(
+    reps: int = 64, shapes=KERNEL_SHAPES, arithmetics=("ggml", "ggml-wide", "exact")
+) -> list[tuple[str, float, float]]:
     """(name, microseconds, GB/s of weight bytes) of single-token matvecs of 8B shapes, with
     int8 activations ("ggml"; "ggml-wide": every one through matvec_q8_n1_wide) and float
     activations ("exact"), and the fused gate+up+SiLU.
@@ -268,7 +264,7 @@ def kernel_bench(reps: int = 64, shapes=KERNEL_SHAPES) -> list[tuple[str, float,
     rng = np.random.default_rng(0)
     out = []
     wide_k = cuda_backend._MVQ_WIDE_K
-    for arithmetic in ("ggml", "ggml-wide", "exact"):
+    for arithmetic in arithmetics:
         cuda_backend._MVQ_WIDE_K = 1 if arithmetic == "ggml-wide" else wide_k
         be = CUDABackend(graphs=False, arithmetic=arithmetic.split("-")[0])
         for qtype_name, k, m, gated in shapes:
@@ -308,6 +304,46 @@ def kernel_bench(reps: int = 64, shapes=KERNEL_SHAPES) -> list[tuple[str, float,
             out.append((name, us, nbytes / (us * 1e-6) / 1e9))
             del mvs, graph
     cuda_backend._MVQ_WIDE_K = wide_k
+    return out
+
+
+SWEEP_SHAPES = (
+    ("Q4_K", 4096, 14336, True),
+    ("Q6_K", 14336, 4096, False),
+    ("Q4_K", 4096, 6144, False),
+    ("Q4_K", 4096, 4096, False),
+    ("Q5_0", 576, 1536, False),
+)
+
+# int8 matvec build variants for --sweep: (label, mmvq.cu macros)
+_PAIRS = {"MVQ_Q4K_PAIR": 1, "MVQ_Q6K_PAIR": 1, "MVQ_UNROLL_Q6K_PAIR": 1}
+MVQ_VARIANTS = (
+    ("built in", {}),
+    ("no pairs w8 b2", {"MVQ_WARPS": 8, "MVQ_MIN_BLOCKS": 2, "MVQ_Q4K_PAIR": 0, "MVQ_Q6K_PAIR": 0}),
+    (
+        "no pairs w16 b1",
+        {"MVQ_WARPS": 16, "MVQ_MIN_BLOCKS": 1, "MVQ_Q4K_PAIR": 0, "MVQ_Q6K_PAIR": 0},
+    ),
+    ("pairs w8 b2", {"MVQ_WARPS": 8, "MVQ_MIN_BLOCKS": 2, **_PAIRS}),
+    ("pairs w16 b1", {"MVQ_WARPS": 16, "MVQ_MIN_BLOCKS": 1, **_PAIRS}),
+)
+
+
+def mvq_sweep(reps: int = 64) -> list[tuple[str, str, float, float]]:
+    """(variant, matvec, microseconds, GB/s) of the int8 matvecs of KERNEL_SHAPES built with
+    each of MVQ_VARIANTS' macros."""
+    from picollama.backends.cuda import layout
+
+    source = layout.quant_source
+    out = []
+    try:
+        for label, macros in MVQ_VARIANTS:
+            head = "".join(f"#define {k} {v}\n" for k, v in macros.items())
+            layout.quant_source = lambda qtype, head=head: head + source(qtype)
+            for name, us, gbs in kernel_bench(reps, SWEEP_SHAPES, arithmetics=("ggml",)):
+                out.append((label, name, us, gbs))
+    finally:
+        layout.quant_source = source
     return out
 
 
@@ -370,7 +406,7 @@ def _graph_us(be, launches, reps: int) -> float:
         stream.begin_capture()
         for _ in range(reps):
             for launch in launches:
-                launch.run()
+                launch.run(be._pdl)
         graph = stream.end_capture()
         graph.launch(stream=stream)
         t0, t1 = cp.cuda.Event(), cp.cuda.Event()
@@ -394,10 +430,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--arithmetic", default="ggml", choices=("ggml", "exact"))
+    p.add_argument(
+        "--no-dependent-launch", action="store_true", help="graphs without programmatic launches"
+    )
     p.add_argument("--profile", action="store_true", help="time each kernel of a decode step")
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one model, in-process
     p.add_argument("--kernels", action="store_true", help="time single matvecs and exit")
+    p.add_argument("--sweep", action="store_true", help="time int8 matvec build variants")
     args = p.parse_args(argv)
+
+    if args.sweep:
+        for label, name, us, gbs in mvq_sweep():
+            print(f"sweep {label:22s} {name:36s} {us:8.1f} us {gbs:7.0f} GB/s", flush=True)
+        return 0
 
     if args.kernels:
         for name, us, gbs in kernel_bench():
@@ -415,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             not args.no_graphs,
             args.arithmetic,
             args.profile,
+            not args.no_dependent_launch,
         )
         print("RESULT " + json.dumps(res))
         return 0
@@ -433,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_graphs:
             cmd.append("--no-graphs")
         cmd += ["--arithmetic", args.arithmetic] + (["--profile"] if args.profile else [])
+        cmd += ["--no-dependent-launch"] if args.no_dependent_launch else []
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
@@ -447,10 +494,11 @@ def main(argv: list[str] | None = None) -> int:
         profile = res.pop("profile", None)
         print(f"{spec}: {json.dumps(res)}", flush=True)
         if profile:
-            total = sum(us for _, _, us in profile)
-            print(f"{spec} decode step by kernel (one by one, {total:.0f} us in all; "
-                  f"graph step {1e6 / tg[0]:.0f} us):")  # fmt: skip
-            for kname, count, us in profile:
+            total = sum(us for _, _, us in profile[1:])
+            print(f"{spec} decode step by kernel (graph of the step {profile[0][2]:.0f} us, "
+                  f"{profile[0][1]} kernels, less the graph without each kind; the kinds' "
+                  f"sum {total:.0f} us; tg step {1e6 / tg[0]:.0f} us):")  # fmt: skip
+            for kname, count, us in profile[1:]:
                 print(f"  {us:8.1f} us  {count:4d} x  {kname}")
 
     print()

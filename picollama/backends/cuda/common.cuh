@@ -90,3 +90,21 @@ __device__ __forceinline__ float gelu_mul1(float g, float u) {
     float th = (float)tanh((double)inner);
     return __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, th)), u);
 }
+
+// Programmatic dependent launch (sm_90 on): a kernel of a decode graph launched with the
+// programmatic-serialization attribute may start while the kernel before it still runs;
+// pdl_wait() blocks until that kernel has finished and its writes are visible, so every
+// such kernel calls it before it reads an activation or writes anything. pdl_trigger()
+// lets the next kernel's blocks be scheduled now (they wait in their own pdl_wait()).
+// Without the attribute (eager launches, other GPUs) both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}

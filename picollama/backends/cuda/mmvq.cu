@@ -23,8 +23,31 @@
 // same type and width that share x (Q, K and V), or, with `act`, the rows of a gate and an
 // up weight, writing act(gate . x) * (up . x) (the SwiGLU / GeGLU of the feed-forward).
 
+// The backend reads the block size back from the kernel (max_threads_per_block).
+#ifndef MVQ_WARPS
 #define MVQ_WARPS 8
+#endif
+#ifndef MVQ_UNROLL
 #define MVQ_UNROLL 4
+#endif
+#ifndef MVQ_UNROLL_Q6K
+#define MVQ_UNROLL_Q6K 3  // 4 would spill registers with two rows
+#endif
+#ifndef MVQ_Q4K_PAIR
+#define MVQ_Q4K_PAIR 0  // Q4_K: chunks of 32 bytes (two of 16 sharing their scales)
+#endif
+#ifndef MVQ_UNROLL_Q4K_PAIR
+#define MVQ_UNROLL_Q4K_PAIR 2
+#endif
+#ifndef MVQ_Q6K_PAIR
+#define MVQ_Q6K_PAIR 0  // Q6_K: chunks of two ql runs that share their qh bytes
+#endif
+#ifndef MVQ_UNROLL_Q6K_PAIR
+#define MVQ_UNROLL_Q6K_PAIR 2
+#endif
+#ifndef MVQ_MIN_BLOCKS
+#define MVQ_MIN_BLOCKS 2  // blocks per multiprocessor the one-token kernels are built for
+#endif
 
 // one token's quantized x in shared memory
 struct XQ {
@@ -122,6 +145,70 @@ struct QD {
         return h2f((u16)r.d) * x.d[jb] * (float)s;
     }
 };
+#elif defined(QTYPE_Q4_K) && MVQ_Q4K_PAIR
+// (d, dmin), scales[12], qs[128]: here a chunk is 32 bytes, qs[32 g .. 32 g + 31] (g 0..3):
+// its low nibbles are the 32 weights of sub-block 2 g, its high nibbles those of 2 g + 1, so
+// one chunk takes one scale and min pair (scale_min2) for 64 weights
+struct QD {
+    static constexpr int CPB = 4, UNROLL = MVQ_UNROLL_Q4K_PAIR;
+    struct Raw {  // the words as loaded: decoding them here would stall the next loads
+        uint4 qa, qb;
+        u32 dm, s0, s1, s2;
+    };
+    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
+        return f.p2 + 128 * b + 32 * cc;
+    }
+    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
+        Raw r;
+        const u8* p = code_ptr(f, b, cc);
+        r.qa = ld_u128(p);
+        r.qb = ld_u128(p + 16);
+        r.dm = ld_u32(f.p0 + 4 * b);
+        const u8* sp = f.p1 + 12 * b;
+        r.s0 = ld_u32(sp);
+        r.s1 = ld_u32(sp + 4);
+        r.s2 = ld_u32(sp + 8);
+        return r;
+    }
+    __device__ static __forceinline__ u32 half12(u32 s0, u32 s1, u32 s2, int i) {
+        u32 w = i < 2 ? s0 : (i < 4 ? s1 : s2);
+        return (w >> (16 * (i & 1))) & 0xFFFFu;
+    }
+    __device__ static __forceinline__ u32 scale_min2(u32 s0, u32 s1, u32 s2, int g) {
+        u32 a, b;
+        if (g < 2) {
+            a = half12(s0, s1, s2, g) & 0x3F3Fu;
+            b = half12(s0, s1, s2, g + 2) & 0x3F3Fu;
+        } else {
+            a = (half12(s0, s1, s2, g + 2) & 0x0F0Fu) | ((half12(s0, s1, s2, g - 2) & 0xC0C0u) >> 2);
+            b = ((half12(s0, s1, s2, g + 2) >> 4) & 0x0F0Fu) | ((half12(s0, s1, s2, g) & 0xC0C0u) >> 2);
+        }
+        return a | (b << 16);
+    }
+    __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
+        int g = c & 3;
+        int jb = (c >> 2) * 8 + 2 * g;  // x's 32-run of sub-block 2 g (the next is 2 g + 1)
+        const signed char* xl = x.q + 32 * jb;
+        int4 xl0 = ld_x16(xl), xl1 = ld_x16(xl + 16), xh0 = ld_x16(xl + 32), xh1 = ld_x16(xl + 48);
+        int xlo[8] = {xl0.x, xl0.y, xl0.z, xl0.w, xl1.x, xl1.y, xl1.z, xl1.w};
+        int xhi[8] = {xh0.x, xh0.y, xh0.z, xh0.w, xh1.x, xh1.y, xh1.z, xh1.w};
+        u32 w[8] = {r.qa.x, r.qa.y, r.qa.z, r.qa.w, r.qb.x, r.qb.y, r.qb.z, r.qb.w};
+        int sl = 0, sh = 0;
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            sl = dp4a((int)(w[e] & 0x0F0F0F0Fu), xlo[e], sl);
+            sh = dp4a((int)((w[e] >> 4) & 0x0F0F0F0Fu), xhi[e], sh);
+        }
+        u32 sm = scale_min2(r.s0, r.s1, r.s2, g);
+        int sc0 = (int)byte_of(sm, 0), sc1 = (int)byte_of(sm, 1);
+        int m0 = (int)byte_of(sm, 2), m1 = (int)byte_of(sm, 3);
+        float d = h2f((u16)(r.dm & 0xFFFFu)), dmin = h2f((u16)(r.dm >> 16));
+        float dx0 = x.d[jb], dx1 = x.d[jb + 1];
+        int ql = m0 * (x.s[2 * jb] + x.s[2 * jb + 1]), qh = m1 * (x.s[2 * jb + 2] + x.s[2 * jb + 3]);
+        return d * (dx0 * (float)(sc0 * sl) + dx1 * (float)(sc1 * sh)) -
+               dmin * (dx0 * (float)ql + dx1 * (float)qh);
+    }
+};
 #elif defined(QTYPE_Q4_K)
 // (d, dmin), scales[12], qs[128]: chunk cc (0..7) of a block is qs[16 cc .. 16 cc + 15]; its
 // low nibbles are weights 16 h .. 16 h + 15 of sub-block 2 g, its high nibbles the same of
@@ -186,6 +273,61 @@ struct QD {
                dmin * (dx0 * (float)ql + dx1 * (float)qh);
     }
 };
+#elif defined(QTYPE_Q6_K) && MVQ_Q6K_PAIR
+// ql[128], qh[64], scales[16] (int8), d, as below; here a chunk is the two 16-byte runs of ql
+// that share their 16 bytes of qh: u = 2 hh + p (0..3) covers ql[64 hh + 16 p ..] (k = 0, 2)
+// and ql[64 hh + 32 + 16 p ..] (k = 1, 3), qh[32 hh + 16 p ..], l = 16 p .. 16 p + 15
+struct QD {
+    static constexpr int CPB = 4, UNROLL = MVQ_UNROLL_Q6K_PAIR;
+    struct Raw {  // the words as loaded: decoding them here would stall the next loads
+        uint4 l0, l1, qh;
+        u32 sa, sb, d;
+    };
+    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int u) {
+        return f.p0 + 128 * b + 64 * (u >> 1) + 16 * (u & 1);
+    }
+    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int u) {
+        int hh = u >> 1, p = u & 1;
+        Raw r;
+        const u8* lp = code_ptr(f, b, u);
+        r.l0 = ld_u128(lp);
+        r.l1 = ld_u128(lp + 32);
+        r.qh = ld_u128(f.p1 + 64 * b + 32 * hh + 16 * p);
+        r.sa = ld_u32(f.p2 + 16 * b + 8 * hh);  // scales 8 hh .. 8 hh + 3
+        r.sb = ld_u32(f.p2 + 16 * b + 8 * hh + 4);  // scales 8 hh + 4 .. 8 hh + 7
+        r.d = ld_u16(f.p3 + 2 * b);
+        return r;
+    }
+    __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
+        int u = c & 3, hh = u >> 1, p = u & 1;
+        int j0 = (c >> 2) * 8 + 4 * hh;  // x's 32-runs of k = 0..3: j0 + k
+        u32 h[4] = WORDS4(r.qh);
+        float acc = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            const uint4 lw = kk == 0 ? r.l0 : r.l1;
+            u32 l[4] = WORDS4(lw);
+            int ja = j0 + kk, jb = ja + 2;
+            int4 xa = ld_x16(x.q + 32 * ja + 16 * p), xb = ld_x16(x.q + 32 * jb + 16 * p);
+            int xav[4] = {xa.x, xa.y, xa.z, xa.w};
+            int xbv[4] = {xb.x, xb.y, xb.z, xb.w};
+            int s_a = 0, s_b = 0;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                u32 qa = (l[e] & 0x0F0F0F0Fu) | (((h[e] >> (2 * kk)) & 0x03030303u) << 4);
+                u32 qb = ((l[e] >> 4) & 0x0F0F0F0Fu) | (((h[e] >> (2 * kk + 4)) & 0x03030303u) << 4);
+                s_a = dp4a((int)qa, xav[e], s_a);
+                s_b = dp4a((int)qb, xbv[e], s_b);
+            }
+            s_a -= 32 * x.s[2 * ja + p];
+            s_b -= 32 * x.s[2 * jb + p];
+            int sc_a = (int)(signed char)(u8)byte_of(r.sa, 2 * kk + p);
+            int sc_b = (int)(signed char)(u8)byte_of(r.sb, 2 * kk + p);
+            acc += x.d[ja] * (float)(sc_a * s_a) + x.d[jb] * (float)(sc_b * s_b);
+        }
+        return h2f((u16)r.d) * acc;
+    }
+};
 #elif defined(QTYPE_Q6_K)
 // ql[128], qh[64], scales[16] (int8), d. Weight 128 hh + 32 k + l of a block (k 0..3, l 0..31):
 // low bits in ql[64 hh + 32 (k % 2) + l] (low nibble for k < 2), top bits at bit 2 k of
@@ -193,7 +335,7 @@ struct QD {
 // hh = cc / 4, kk = (cc / 2) % 2, p = cc % 2 covers ql[64 hh + 32 kk + 16 p ..] (16 bytes):
 // its low nibbles are k = kk, its high nibbles k = kk + 2, with l = 16 p .. 16 p + 15.
 struct QD {
-    static constexpr int CPB = 8, UNROLL = 3;  // 4 would spill registers with two rows
+    static constexpr int CPB = 8, UNROLL = MVQ_UNROLL_Q6K;
     struct Raw {  // the words as loaded: decoding them here would stall the next loads
         uint4 ql, qh;
         u32 sa, sb, d;
@@ -239,7 +381,8 @@ struct QD {
 #error "mmvq.cu: no int8-activation kernel for this type"
 #endif
 
-static_assert(Q::BLOCK / QD::CPB == 16 || Q::BLOCK / QD::CPB == 32, "a chunk is 16 or 32 weights");
+static_assert(Q::BLOCK / QD::CPB == 16 || Q::BLOCK / QD::CPB == 32 || Q::BLOCK / QD::CPB == 64,
+              "a chunk is 16, 32 or 64 weights");
 
 // acc_a[t] += row a . x_t and, with `two`, acc_b[t] += row b . x_t over the cpr chunks of
 // the rows (this lane's share: chunks lane + 32 i). Both rows' loads are issued before
@@ -304,12 +447,38 @@ __device__ __forceinline__ RowRef locate(int row, int bpr, const u8* w0, i64 nb0
 // act (1: SiLU, 2: GELU), w0 and w1 are a gate and an up weight of m0 rows and
 // y0[t, r] = act(W0[r] . x[t]) * (W1[r] . x[t]), as silu_mul / gelu_mul compute it.
 // Dynamic shared memory: n * k * 11 / 8 bytes (codes, scales, half sums).
-template <int NT, int XB>
+//
+// ROPE (one token; w0, w1, w2 are Q, K and V): the rows are taken in RoPE's pairs (2 i, 2 i + 1)
+// of a head, or (i, i + n_rot / 2) with neox, and lane 0 turns each pair of q and k as the
+// rope kernel does (ops.cu, rope_head: the same float32 operations) before it writes y0 (q)
+// and y1 (k); k and v (y2) also go to row *start of the fp16 caches kc and vc, as store_kv
+// rounds them. This folds rope(q), rope(k) and store_kv into the Q/K/V launch.
+struct RopeArgs {
+    const int* pos;    // the token's position (device memory: graphs replay at any position)
+    const int* start;  // the cache row written
+    u16* kc;
+    u16* vc;
+    int head_dim, head_dim_v, n_rot, neox, n_ctx;
+    float theta_scale, freq_scale;
+};
+
+// rows (ra, rb) of pair p of a weight with heads of hd rows, and whether RoPE turns them
+__device__ __forceinline__ bool rope_pair(int p, int hd, int n_rot, int neox, int* ra, int* rb) {
+    int h = p / (hd >> 1), i = p - h * (hd >> 1), half = n_rot >> 1;
+    bool rot = i < half;
+    int a = (rot && neox) ? i : 2 * i;
+    int b = (rot && neox) ? i + half : 2 * i + 1;
+    *ra = h * hd + a;
+    *rb = h * hd + b;
+    return rot;
+}
+
+template <int NT, int XB, bool ROPE>
 __device__ __forceinline__ void mvq_body(
     const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
     int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
     const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
-    const float* __restrict__ resid, int has_resid, int act) {
+    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra) {
     extern __shared__ int4 mvq_smem[];
     __shared__ double red[MVQ_WARPS];
     __shared__ float s_scale[NT];
@@ -319,16 +488,20 @@ __device__ __forceinline__ void mvq_body(
     int m_rows = act ? m0 : m0 + m1 + m2;
     int row_first = blockIdx.x * MVQ_WARPS + warp;
 
-    // warm L2 with this warp's first row while x is quantized
-    if (row_first < m_rows) {
+    pdl_trigger();
+    // warm L2 with this warp's first row (the weights are constant: this may run before the
+    // kernel before this one has finished) while x is quantized
+    if (row_first < m_rows && !ROPE) {
         const u8* wb = row_first < m0 ? w0 : (row_first < m0 + m1 ? w1 : w2);
         i64 nb = row_first < m0 ? nb0 : (row_first < m0 + m1 ? nb1 : nb2);
         int r = row_first < m0 ? row_first : (row_first < m0 + m1 ? row_first - m0 : row_first - m0 - m1);
         Fields f = make_fields(wb, nb);
         for (int c = lane; c < cpr; c += 32 * QD::UNROLL) {
             prefetch_l2(QD::code_ptr(f, (i64)r * bpr + c / QD::CPB, c % QD::CPB));
+            if (act) prefetch_l2(QD::code_ptr(make_fields(w1, nb1), (i64)r * bpr + c / QD::CPB, c % QD::CPB));
         }
     }
+    pdl_wait();
 
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
@@ -435,6 +608,49 @@ __device__ __forceinline__ void mvq_body(
         }
         return;
     }
+    if (ROPE) {
+        // pairs of rows: m0 / 2 of q, then m1 / 2 of k, then m2 / 2 of v
+        const int pq = m0 >> 1, pk = m1 >> 1, n_pairs = pq + pk + (m2 >> 1);
+        const float p_f = (float)*ra.pos;
+        const int crow = *ra.start;
+        for (int pr = row_first; pr < n_pairs; pr += n_warps) {
+            const int slot = pr < pq ? 0 : (pr < pq + pk ? 1 : 2);
+            const int pp = slot == 0 ? pr : (slot == 1 ? pr - pq : pr - pq - pk);
+            int r_a, r_b;
+            bool rot = rope_pair(pp, slot == 2 ? ra.head_dim_v : ra.head_dim,
+                                 slot == 2 ? 0 : ra.n_rot, ra.neox, &r_a, &r_b);
+            const u8* wb = slot == 0 ? w0 : (slot == 1 ? w1 : w2);
+            Fields f = make_fields(wb, slot == 0 ? nb0 : (slot == 1 ? nb1 : nb2));
+            float acc_a[NT], acc_b[NT];
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc_a[t] = acc_b[t] = 0.f;
+            row_dot2<NT>(f, (i64)r_a * bpr, f, (i64)r_b * bpr, true, cpr, lane, x0, k, 1, acc_a,
+                         acc_b);
+            float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
+            if (lane == 0) {
+                if (rot) {  // rope_head's arithmetic, pair i of the head
+                    const int hd = ra.head_dim, i = pp - (pp / (hd >> 1)) * (hd >> 1);
+                    float theta = p_f;
+                    for (int s = 0; s < i; s++) theta = __fmul_rn(theta, ra.theta_scale);
+                    float angle = __fmul_rn(ra.freq_scale, theta);
+                    float c = (float)cos((double)angle);
+                    float sn = (float)sin((double)angle);
+                    float x0v = o0, x1v = o1;
+                    o0 = __fsub_rn(__fmul_rn(x0v, c), __fmul_rn(x1v, sn));
+                    o1 = __fadd_rn(__fmul_rn(x0v, sn), __fmul_rn(x1v, c));
+                }
+                float* y = slot == 0 ? y0 : (slot == 1 ? y1 : y2);
+                y[r_a] = o0;
+                y[r_b] = o1;
+                if (slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
+                    u16* c = slot == 1 ? ra.kc + (i64)crow * m1 : ra.vc + (i64)crow * m2;
+                    c[r_a] = f2h(o0);
+                    c[r_b] = f2h(o1);
+                }
+            }
+        }
+        return;
+    }
     // rows row and row + n_warps together
     for (int row = row_first; row < m_rows; row += 2 * n_warps) {
         int row_b = row + n_warps;
@@ -467,21 +683,31 @@ __device__ __forceinline__ void mvq_body(
     const u8 *__restrict__ w0, i64 nb0, int m0, float *y0, const u8 *__restrict__ w1, i64 nb1, \
         int m1, float *y1, const u8 *__restrict__ w2, i64 nb2, int m2, float *y2, int k,      \
         const float *__restrict__ x, int n, const float *__restrict__ norm_w, float eps,      \
-        int norm, const float *__restrict__ resid, int has_resid, int act
-#define MVQ_ARGS \
-    w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2, k, x, n, norm_w, eps, norm, resid, has_resid, act
+        int norm, const float *__restrict__ resid, int has_resid, int act,                   \
+        const int *rope_pos, const int *rope_start, u16 *kc, u16 *vc, int head_dim,           \
+        int head_dim_v, int n_rot, int neox, int n_ctx, float theta_scale, float freq_scale
+#define MVQ_ARGS                                                                           \
+    w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2, k, x, n, norm_w, eps, norm, resid,     \
+        has_resid, act,                                                                    \
+        RopeArgs{rope_pos, rope_start, kc,   vc,         head_dim,   head_dim_v,              \
+                 n_rot,    neox,       n_ctx, theta_scale, freq_scale}
 
 // n <= MV_MAX_TOKENS rows of x (short batches), and the decode case n = 1 (fewer registers)
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8(MVQ_PARAMS) {
-    mvq_body<MV_MAX_TOKENS, 1>(MVQ_ARGS);
+    mvq_body<MV_MAX_TOKENS, 1, false>(MVQ_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, 2) matvec_q8_n1(MVQ_PARAMS) {
-    mvq_body<1, 1>(MVQ_ARGS);
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1(MVQ_PARAMS) {
+    mvq_body<1, 1, false>(MVQ_ARGS);
 }
 
 // one token of a wide x (the feed-forward's down matrix): x's loads four rounds at a time, in
 // a kernel of its own so that the registers this takes don't weigh on the others
-extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, 2) matvec_q8_n1_wide(MVQ_PARAMS) {
-    mvq_body<1, 4>(MVQ_ARGS);
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_wide(MVQ_PARAMS) {
+    mvq_body<1, 4, false>(MVQ_ARGS);
+}
+
+// one token's Q, K and V with RoPE and the KV cache write (ROPE above)
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
+    mvq_body<1, 1, true>(MVQ_ARGS);
 }

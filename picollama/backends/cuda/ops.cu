@@ -106,6 +106,8 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
                                       int n_kv_heads, int head_dim, int head_dim_v, int n_rot,
                                       float theta_scale, float freq_scale, int neox,
                                       int n_ctx) {
+    pdl_trigger();
+    pdl_wait();
     int t = blockIdx.x, slot = blockIdx.y;
     int row = *start + t;
     float p = (float)pos[t];
@@ -433,6 +435,8 @@ __device__ __forceinline__ void attention_gqa_body(
     __shared__ float sm[ATD_WARPS][GB], sl[ATD_WARPS][GB];
     __shared__ float sacc[ATD_WARPS][GB][HD];
     __shared__ int s_last;
+    pdl_trigger();
+    pdl_wait();
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
@@ -516,40 +520,48 @@ __device__ __forceinline__ void attention_gqa_body(
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    // one pass: each thread loads (max, sum, its output value) of 8 splits at a time
+    // two passes: a warp per head takes the splits' max and sum across its lanes (at most
+    // 64 splits: two per lane) and leaves each split's weight exp(max_s - max) in shared
+    // memory; then every thread sums its output value of all splits, loads issued 8 at a time
+    __shared__ float s_w[GB][64];
+    __shared__ float s_total[GB];
     const i64 sstride = (i64)G * (HD + 2);
+    for (int g = warp; g < G; g += ATD_WARPS) {
+        const float* pg = part + ((i64)kvh * n_splits * G + g) * (HD + 2);
+        float ms[2], ls[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int sp = lane + 32 * u;
+            ms[u] = sp < n_splits ? __ldcg(pg + sp * sstride) : NEG_INF;  // finite: keys >= 1
+            ls[u] = sp < n_splits ? __ldcg(pg + sp * sstride + 1) : 0.f;
+        }
+        const float mx = warp_max(fmaxf(ms[0], ms[1]));
+        float total = 0.f;
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int sp = lane + 32 * u;
+            const float w = sp < n_splits ? expf(ms[u] - mx) : 0.f;
+            if (sp < n_splits) s_w[g][sp] = w;
+            total = fmaf(ls[u], w, total);
+        }
+        total = warp_sum(total);
+        if (lane == 0) s_total[g] = total;
+    }
+    __syncthreads();
     for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
         const int g = e / HD, d = e % HD;
-        const float* pg = part + ((i64)kvh * n_splits * G + g) * (HD + 2);
-        float mx = NEG_INF, total = 0.f, o = 0.f;
+        const float* pg = part + ((i64)kvh * n_splits * G + g) * (HD + 2) + 2 + d;
+        float o = 0.f;
         for (int sb = 0; sb < n_splits; sb += 8) {
-            float ms[8], ls[8], os[8];
+            float os[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) os[u] = __ldcg(pg + min(sb + u, n_splits - 1) * sstride);
 #pragma unroll
             for (int u = 0; u < 8; u++) {
-                const float* ps = pg + min(sb + u, n_splits - 1) * sstride;
-                ms[u] = __ldcg(ps);
-                ls[u] = __ldcg(ps + 1);
-                os[u] = __ldcg(ps + 2 + d);
+                if (sb + u < n_splits) o = fmaf(os[u], s_w[g][sb + u], o);
             }
-            float mx_new = mx;
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                if (sb + u < n_splits) mx_new = fmaxf(mx_new, ms[u]);  // finite: keys >= 1
-            }
-            const float corr = expf(mx - mx_new);
-            total *= corr;
-            o *= corr;
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                if (sb + u < n_splits) {
-                    const float w = expf(ms[u] - mx_new);
-                    total = fmaf(ls[u], w, total);
-                    o = fmaf(os[u], w, o);
-                }
-            }
-            mx = mx_new;
         }
-        out[(i64)(kvh * G + g) * HD + d] = o / total;
+        out[(i64)(kvh * G + g) * HD + d] = o / s_total[g];
     }
     if (threadIdx.x == 0) counter[kvh] = 0;  // ready for the next launch (graph replays)
 }
