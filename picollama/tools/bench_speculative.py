@@ -45,7 +45,8 @@ def _llama_cpp(bin_dir, args, prompt_text) -> str:
     text = proc.stdout + proc.stderr
     found = []
     for key in ("decoded", "n_drafted", "n_accept", "accept"):
-        m = re.search(rf"^\s*{key}\s*[=:]?\s*(.*)$", text, re.M)
+        # lines may carry llama.cpp's log prefix ("0.04.766 I decoded ...")
+        m = re.search(rf"^(?:[\d.]+ [A-Z] )?\s*{key}\s*[=:]?\s*(.*)$", text, re.M)
         if m:
             found.append(f"{key} {m.group(1).strip()}")
     return "; ".join(found) if found else f"exit {proc.returncode}: {text.strip()[-300:]}"
