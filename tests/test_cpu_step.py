@@ -9,6 +9,8 @@ tokens) still gets the op-by-op answer.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from model_factory import TinySpec, write_tiny_model
@@ -124,3 +126,20 @@ def test_compiled_step_errors_name_the_problem(tmp_path):
             model.forward(np.array([65]), 4, cache)
         with pytest.raises(IndexError, match="out of range"):
             model.forward(np.array([100000]), 3, cache)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "mistral", "phi3"])
+def test_every_architecture_compiles(tmp_path, arch):
+    """The tiny converted checkpoints of tests/data/convert at Q8_0: Qwen2's Q/K/V biases
+    (a constant row added to every row) and Gemma 2's final logit softcap are traced too,
+    so each architecture's decode step runs compiled, with op-by-op's logits and cache."""
+    from picollama.convert.hf import convert_hf_to_gguf
+
+    data = Path(__file__).parent / "data" / "convert" / arch
+    path = convert_hf_to_gguf(data, tmp_path / f"{arch}.gguf", "q8_0")
+    want, want_cache, _ = _decode(path, compiled=False)
+    got, got_cache, program = _decode(path, compiled=True)
+    assert program is not None and program is not False and program.trusted, arch
+    assert np.array_equal(got, want)
+    for layer in range(len(want_cache.k)):
+        assert np.array_equal(got_cache.k[layer], want_cache.k[layer])

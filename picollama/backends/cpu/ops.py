@@ -153,5 +153,16 @@ def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
+@nb.njit(**_JIT)
+def _softcap(x, inv_cap, cap, out):
+    """``tanh(x * (1 / cap)) * cap`` in float32, as llama.cpp's graph (scale, tanh, scale)."""
+    xs, o = x.reshape(-1), out.reshape(-1)
+    for i in range(xs.shape[0]):
+        o[i] = np.float32(math.tanh(xs[i] * inv_cap)) * cap
+
+
 def softcap(x: np.ndarray, cap: float) -> np.ndarray:
-    return (np.tanh(x / np.float32(cap)) * np.float32(cap)).astype(np.float32, copy=False)
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    _softcap(x, np.float32(1.0 / cap), np.float32(cap), out)
+    return out

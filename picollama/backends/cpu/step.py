@@ -41,6 +41,7 @@ __all__ = ["StepCompiler"]
 _OP_SCALE, _OP_ADD, _OP_MUL, _OP_RMS_NORM, _OP_MATMUL, _OP_GATED = 1, 2, 3, 4, 5, 6
 _OP_ROPE, _OP_STORE_KV, _OP_ATTENTION, _OP_SILU_MUL, _OP_GELU_MUL = 7, 8, 9, 10, 11
 _OP_LORA = 12  # a LoRA adapter's term on a projection (``lora_kernels``)
+_OP_ADD_CONST, _OP_SOFTCAP = 13, 14  # a bias added to every row; cap * tanh(x / cap)
 _N_INT_ARGS = 13
 
 _Q4_0 = int(GGMLType.Q4_0)
@@ -154,6 +155,20 @@ def _run(code, fargs, ws, wtypes, consts, arena, k_cache, v_cache, pos, n_tasks,
         elif op == _OP_MUL:
             for j in range(c[4]):
                 arena[c[3] + j] = arena[c[1] + j] * arena[c[2] + j]
+        elif op == _OP_ADD_CONST:
+            # [op, src, const, dst, rows, d]
+            d = c[5]
+            for r in range(c[4]):
+                for j in range(d):
+                    arena[c[3] + r * d + j] = arena[c[1] + r * d + j] + consts[c[2] + j]
+        elif op == _OP_SOFTCAP:
+            # [op, src, dst, size]; fargs: 1 / cap, cap
+            ops._softcap(
+                arena[c[1] : c[1] + c[3]],
+                np.float32(fargs[i, 0]),
+                np.float32(fargs[i, 1]),
+                arena[c[2] : c[2] + c[3]],
+            )
         elif op == _OP_RMS_NORM:
             rows, d = c[3], c[4]
             x = arena[c[1] : c[1] + rows * d].reshape(rows, d)
@@ -395,7 +410,24 @@ class _Tracer:
         return out
 
     def add(self, a, b):
+        if isinstance(a, _Sym) and isinstance(b, np.ndarray) and b.ndim == 1:
+            # a constant row (a bias) added to every row of a
+            a = self._sym(a)
+            d = b.size
+            if a.shape[-1] != d:
+                raise Untraceable(f"a constant of {d} added to shape {a.shape}")
+            out = self._new(a.shape)
+            self._emit(_OP_ADD_CONST, [a.offset, self._const(b), out.offset, a.size // d, d])
+            return out
         return self._binary(_OP_ADD, a, b)
+
+    def softcap(self, x, cap):
+        x = self._sym(x)
+        out = self._new(x.shape)
+        self._emit(
+            _OP_SOFTCAP, [x.offset, out.offset, x.size], (float(np.float32(1.0 / cap)), float(cap))
+        )
+        return out
 
     def mul(self, a, b):
         return self._binary(_OP_MUL, a, b)
