@@ -23,7 +23,28 @@
 // same type and width that share x (Q, K and V), or, with `act`, the rows of a gate and an
 // up weight, writing act(gate . x) * (up . x) (the SwiGLU / GeGLU of the feed-forward).
 
-// The backend reads the block size back from the kernel (max_threads_per_block).
+// Q4_K and Q6_K (the big matrices of Q4_K_M models): one block of 16 warps per
+// multiprocessor, chunks of two 16-byte runs that share their scales (pairs), measured the
+// fastest on the H200 for the 8B shapes; the small types keep 2 blocks of 8 warps, which the
+// 576-wide rows of small models prefer. The backend reads the block size back from the
+// kernel (max_threads_per_block).
+#if defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K)
+#ifndef MVQ_WARPS
+#define MVQ_WARPS 16
+#endif
+#ifndef MVQ_MIN_BLOCKS
+#define MVQ_MIN_BLOCKS 1
+#endif
+#ifndef MVQ_Q4K_PAIR
+#define MVQ_Q4K_PAIR 1
+#endif
+#ifndef MVQ_Q6K_PAIR
+#define MVQ_Q6K_PAIR 1
+#endif
+#ifndef MVQ_UNROLL_Q6K_PAIR
+#define MVQ_UNROLL_Q6K_PAIR 1
+#endif
+#endif
 #ifndef MVQ_WARPS
 #define MVQ_WARPS 8
 #endif
