@@ -14,7 +14,16 @@ from picollama.backends.base import Backend, BackendError, KVCache, Weight
 from picollama.gguf import GGUFError, GGUFReader
 from picollama.gguf.constants import GGMLType
 
-__all__ = ["ModelLoadError", "CommonArgs", "WeightLoader", "Segment", "Batch", "BaseModel"]
+__all__ = [
+    "ModelLoadError",
+    "CommonArgs",
+    "WeightLoader",
+    "Segment",
+    "Batch",
+    "BaseModel",
+    "head_counts",
+    "vocab_size",
+]
 
 
 class ModelLoadError(ValueError):
@@ -55,6 +64,13 @@ class WeightLoader:
         except BackendError as err:
             raise ModelLoadError(str(err)) from None
 
+    def output(self, tok_embd: Weight, n_embd: int, n_vocab: int) -> Weight:
+        """``output.weight``, or the token embedding where the file ties the two (no
+        ``output.weight``: the embedding table doubles as the output projection)."""
+        if self.has("output.weight"):
+            return self.weight("output.weight", (n_embd, n_vocab))
+        return tok_embd
+
     def vector(self, name: str, n: int):
         """A 1-D float tensor (a norm weight), as a backend float32 array."""
         info = self._info(name, (n,))
@@ -93,6 +109,36 @@ def meta_int(reader: GGUFReader, key: str, default: int | None = None) -> int:
     if value < 0:
         raise ModelLoadError(f"metadata '{key}' is negative ({value})")
     return value
+
+
+def head_counts(reader: GGUFReader, arch: str, embd_per_head: bool = True):
+    """(n_embd, n_heads, n_kv_heads) from ``{arch}.*`` metadata, checked: the KV heads must
+    divide the heads and, with ``embd_per_head``, the heads the embedding length (for
+    architectures whose head size defaults to ``n_embd / n_heads``)."""
+    n_embd = meta_int(reader, f"{arch}.embedding_length")
+    n_heads = meta_int(reader, f"{arch}.attention.head_count")
+    if embd_per_head and (n_heads == 0 or n_embd % n_heads):
+        raise ModelLoadError(f"embedding_length {n_embd} is not a multiple of head_count {n_heads}")
+    n_kv_heads = meta_int(reader, f"{arch}.attention.head_count_kv", n_heads)
+    if n_heads == 0 or n_kv_heads == 0 or n_heads % n_kv_heads:
+        raise ModelLoadError(
+            f"head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
+        )
+    return n_embd, n_heads, n_kv_heads
+
+
+def vocab_size(reader: GGUFReader, arch: str) -> int:
+    """The vocabulary size: from metadata, else the token list, else the embedding rows."""
+    n = reader.get(f"{arch}.vocab_size")
+    if n is None:
+        tokens = reader.get("tokenizer.ggml.tokens")
+        n = len(tokens) if tokens is not None else None
+    if n is None and "token_embd.weight" in reader:
+        shape = reader.tensor("token_embd.weight").shape
+        n = shape[1] if len(shape) > 1 else None
+    if n is None:
+        raise ModelLoadError("cannot tell the vocabulary size (no vocab_size, no tokens)")
+    return int(n)
 
 
 def meta_float(reader: GGUFReader, key: str, default: float) -> float:

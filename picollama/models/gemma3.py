@@ -21,10 +21,11 @@ from picollama.models.base import (
     ModelLoadError,
     Segment,
     WeightLoader,
+    head_counts,
     meta_float,
     meta_int,
+    vocab_size,
 )
-from picollama.models.llama import _vocab_size
 
 __all__ = ["ModelArgs", "Model"]
 
@@ -49,13 +50,7 @@ class ModelArgs(CommonArgs):
         def key(template: str) -> str:
             return template.format(arch=arch)
 
-        n_embd = meta_int(reader, key("{arch}.embedding_length"))
-        n_heads = meta_int(reader, key("{arch}.attention.head_count"))
-        n_kv_heads = meta_int(reader, key("{arch}.attention.head_count_kv"), n_heads)
-        if n_heads == 0 or n_kv_heads == 0 or n_heads % n_kv_heads:
-            raise ModelLoadError(
-                f"head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
-            )
+        n_embd, n_heads, n_kv_heads = head_counts(reader, arch, embd_per_head=False)
         head_dim = meta_int(reader, key("{arch}.attention.key_length"), n_embd // n_heads)
         head_dim_v = meta_int(reader, key("{arch}.attention.value_length"), head_dim)
         scaling = reader.get(key("{arch}.rope.scaling.type"), "none")
@@ -67,7 +62,7 @@ class ModelArgs(CommonArgs):
         n_layers = meta_int(reader, key("{arch}.block_count"))
         return cls(
             arch=arch,
-            n_vocab=_vocab_size(reader, arch),
+            n_vocab=vocab_size(reader, arch),
             n_embd=n_embd,
             n_layers=n_layers,
             n_heads=n_heads,
@@ -130,10 +125,7 @@ class Model(BaseModel):
                 )
             )
         self.output_norm = load.vector("output_norm.weight", d)
-        if load.has("output.weight"):
-            self.output = load.weight("output.weight", (d, a.n_vocab))
-        else:
-            self.output = self.tok_embd
+        self.output = load.output(self.tok_embd, d, a.n_vocab)
         self.embd_scale = math.sqrt(d)
 
     def forward_batch(self, segments: list[Segment]) -> list[np.ndarray]:

@@ -20,8 +20,10 @@ from picollama.models.base import (
     ModelLoadError,
     Segment,
     WeightLoader,
+    head_counts,
     meta_float,
     meta_int,
+    vocab_size,
 )
 
 __all__ = ["ModelArgs", "Model"]
@@ -41,20 +43,10 @@ class ModelArgs(CommonArgs):
         def key(template: str) -> str:
             return template.format(arch=arch)
 
-        n_embd = meta_int(reader, key("{arch}.embedding_length"))
-        n_heads = meta_int(reader, key("{arch}.attention.head_count"))
-        if n_heads == 0 or n_embd % n_heads:
-            raise ModelLoadError(
-                f"embedding_length {n_embd} is not a multiple of head_count {n_heads}"
-            )
-        n_kv_heads = meta_int(reader, key("{arch}.attention.head_count_kv"), n_heads)
-        if n_kv_heads == 0 or n_heads % n_kv_heads:
-            raise ModelLoadError(
-                f"head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
-            )
+        n_embd, n_heads, n_kv_heads = head_counts(reader, arch)
         head_dim = meta_int(reader, key("{arch}.attention.key_length"), n_embd // n_heads)
         head_dim_v = meta_int(reader, key("{arch}.attention.value_length"), head_dim)
-        n_vocab = _vocab_size(reader, arch)
+        n_vocab = vocab_size(reader, arch)
         scaling = reader.get(key("{arch}.rope.scaling.type"), "none")
         freq_scale = 1.0
         if scaling == "linear":
@@ -80,20 +72,6 @@ class ModelArgs(CommonArgs):
             rope_freq_scale=freq_scale,
             sliding_window=meta_int(reader, key("{arch}.attention.sliding_window"), 0),
         )
-
-
-def _vocab_size(reader: GGUFReader, arch: str) -> int:
-    """The vocabulary size: from metadata, else the token list, else the embedding rows."""
-    n = reader.get(f"{arch}.vocab_size")
-    if n is None:
-        tokens = reader.get("tokenizer.ggml.tokens")
-        n = len(tokens) if tokens is not None else None
-    if n is None and "token_embd.weight" in reader:
-        shape = reader.tensor("token_embd.weight").shape
-        n = shape[1] if len(shape) > 1 else None
-    if n is None:
-        raise ModelLoadError("cannot tell the vocabulary size (no vocab_size, no tokens)")
-    return int(n)
 
 
 @dataclass
@@ -133,11 +111,7 @@ class Model(BaseModel):
                 )
             )
         self.output_norm = load.vector("output_norm.weight", d)
-        # tied embeddings: no output.weight, the embedding table doubles as the output
-        if load.has("output.weight"):
-            self.output = load.weight("output.weight", (d, a.n_vocab))
-        else:
-            self.output = self.tok_embd
+        self.output = load.output(self.tok_embd, d, a.n_vocab)
         self.attn_scale = 1.0 / math.sqrt(hd)
 
     def forward_batch(self, segments: list[Segment]) -> list[np.ndarray]:

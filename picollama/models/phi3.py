@@ -41,10 +41,11 @@ from picollama.models.base import (
     ModelLoadError,
     Segment,
     WeightLoader,
+    head_counts,
     meta_float,
     meta_int,
+    vocab_size,
 )
-from picollama.models.llama import _vocab_size
 
 __all__ = ["ModelArgs", "Model"]
 
@@ -64,17 +65,7 @@ class ModelArgs(CommonArgs):
         def key(template: str) -> str:
             return template.format(arch=arch)
 
-        n_embd = meta_int(reader, key("{arch}.embedding_length"))
-        n_heads = meta_int(reader, key("{arch}.attention.head_count"))
-        if n_heads == 0 or n_embd % n_heads:
-            raise ModelLoadError(
-                f"embedding_length {n_embd} is not a multiple of head_count {n_heads}"
-            )
-        n_kv_heads = meta_int(reader, key("{arch}.attention.head_count_kv"), n_heads)
-        if n_kv_heads == 0 or n_heads % n_kv_heads:
-            raise ModelLoadError(
-                f"head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}"
-            )
+        n_embd, n_heads, n_kv_heads = head_counts(reader, arch)
         head_dim = n_embd // n_heads  # llama.cpp's phi3 graph asserts key == value length
         n_rot = meta_int(reader, key("{arch}.rope.dimension_count"), head_dim)
         if n_rot > head_dim or n_rot % 2:
@@ -86,7 +77,7 @@ class ModelArgs(CommonArgs):
             raise ModelLoadError(f"RoPE scaling type '{scaling}' is not supported for phi3")
         return cls(
             arch=arch,
-            n_vocab=_vocab_size(reader, arch),
+            n_vocab=vocab_size(reader, arch),
             n_embd=n_embd,
             n_layers=meta_int(reader, key("{arch}.block_count")),
             n_heads=n_heads,
@@ -246,10 +237,7 @@ class Model(BaseModel):
                 )
             )
         self.output_norm = load.vector("output_norm.weight", d)
-        if load.has("output.weight"):
-            self.output = load.weight("output.weight", (d, a.n_vocab))
-        else:
-            self.output = self.tok_embd
+        self.output = load.output(self.tok_embd, d, a.n_vocab)
         self.attn_scale = 1.0 / math.sqrt(hd)
         self.longrope = _LongRoPE.load(load, a) if _LongRoPE.present(load) else None
 

@@ -62,10 +62,7 @@ class Model(BaseModel):
                 )
             )
         self.output_norm = load.vector("output_norm.weight", d)
-        if load.has("output.weight"):
-            self.output = load.weight("output.weight", (d, a.n_vocab))
-        else:
-            self.output = self.tok_embd
+        self.output = load.output(self.tok_embd, d, a.n_vocab)
         self.attn_scale = 1.0 / math.sqrt(hd)
 
     def forward_batch(self, segments: list[Segment]) -> list[np.ndarray]:
