@@ -43,6 +43,8 @@ from picollama.backends.cpu.qdot_act import (
     VEC_DOT_TYPE,
     _quantize_q8_0,
     _quantize_q8_k,
+    _round_bf16,
+    _round_f16,
     quantize_rows,
 )
 from picollama.backends.cpu.simd import SIMD_TYPES, vec_dot_rows
@@ -363,9 +365,27 @@ def matmul_many_q8(x: np.ndarray, ws: list[np.ndarray], qtype, k: int) -> list[n
 
 
 @functools.cache
-def _float_kernel(qtype: int):
+def _float_parts(qtype: int):
+    """(convert, rows) for float weights (F32, F16, BF16).
+
+    ``convert(x)`` rounds the activation rows to the weight's dot type (F16, BF16; F32 as
+    is) and returns them as float32; ``rows(xf, w, w32, out, k, r_lo, r_hi)`` fills
+    ``out[:, r_lo:r_hi]``. Each output is the same dot whatever the number of rows of x,
+    so a batch's rows are each row's alone, bit for bit."""
+    qtype = int(qtype)
     is_f32 = qtype == GGMLType.F32
     is_f16 = qtype == GGMLType.F16
+
+    @njit(cache=True)
+    def convert(x):
+        if is_f32:
+            return x
+        out = np.empty(x.shape, np.float32)
+        if is_f16:
+            _round_f16(x, out, np.empty(x.shape, np.uint16))
+        else:
+            _round_bf16(x, out)
+        return out
 
     @njit(cache=True, fastmath=True)
     def dot(wrow, xrow, k):
@@ -396,11 +416,54 @@ def _float_kernel(qtype: int):
                 for i in range(i0, i1):
                     out[i, r] = dot(wf, xf[i], k)
 
+    return convert, rows
+
+
+def float_convert(qtype, x):
+    """The type's ``_float_parts`` convert (compiled code only, ``qtype`` a literal)."""
+    raise NotImplementedError("float_convert is only callable from Numba-compiled code")
+
+
+@overload(float_convert)
+def _float_convert_overload(qtype, x):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    convert = _float_parts(qtype.literal_value)[0]
+
+    def impl(qtype, x):
+        return convert(x)
+
+    return impl
+
+
+def float_rows(qtype, xf, w, w32, out, k, r_lo, r_hi):
+    """The type's ``_float_parts`` rows (compiled code only, ``qtype`` a literal)."""
+    raise NotImplementedError("float_rows is only callable from Numba-compiled code")
+
+
+@overload(float_rows)
+def _float_rows_overload(qtype, xf, w, w32, out, k, r_lo, r_hi):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    rows = _float_parts(qtype.literal_value)[1]
+
+    def impl(qtype, xf, w, w32, out, k, r_lo, r_hi):
+        rows(xf, w, w32, out, k, r_lo, r_hi)
+
+    return impl
+
+
+@functools.cache
+def _float_kernel(qtype: int):
+    """The parallel kernel of one float type (captures only the type id)."""
+    qtype = int(qtype)
+
     @njit(cache=True, parallel=True)
-    def kernel(xf, w, w32, out, k, n_tasks):
+    def kernel(x, w, w32, out, k, n_tasks):
+        xf = float_convert(qtype, x)
         m = w.shape[0]
         for t in prange(n_tasks):
-            rows(xf, w, w32, out, k, t * m // n_tasks, (t + 1) * m // n_tasks)
+            float_rows(qtype, xf, w, w32, out, k, t * m // n_tasks, (t + 1) * m // n_tasks)
 
     return kernel
 
@@ -448,10 +511,10 @@ def matmul_q8(x: np.ndarray, w: np.ndarray, qtype, k: int) -> np.ndarray:
     if qtype in SIMD_TYPES:
         _simd_kernel(int(qtype))(x, wv, out, _n_tasks(m))
         return out
-    q = quantize_rows(x, VEC_DOT_TYPE[qtype])
     if qtype in _FLOAT:
         w32 = wv.view(np.float32) if qtype == GGMLType.F32 else _NO_F32_ROWS
-        _float_kernel(int(qtype))(q.qs, wv, w32, out, k, _n_tasks(m))
-    else:
-        _quant_kernel(int(qtype))(q.qs, q.d, q.s, q.bsums, wv, out, k, _n_tasks(m))
+        _float_kernel(int(qtype))(x, wv, w32, out, k, _n_tasks(m))
+        return out
+    q = quantize_rows(x, VEC_DOT_TYPE[qtype])
+    _quant_kernel(int(qtype))(q.qs, q.d, q.s, q.bsums, wv, out, k, _n_tasks(m))
     return out
