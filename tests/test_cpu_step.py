@@ -16,8 +16,10 @@ import pytest
 from model_factory import TinySpec, write_tiny_model
 
 from picollama.backends.base import BackendError, get_backend
+from picollama.backends.cpu import step
 from picollama.gguf import GGMLType, GGUFReader
 from picollama.models import load_model
+from picollama.models.base import Segment
 
 PROMPT = [256, 72, 101, 108, 108, 111]
 DECODE = [44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66, 67, 68, 69]
@@ -52,6 +54,10 @@ CASES = {
         overrides={"blk.2.attn_v.weight": ((256, 128), Q.Q6_K)},
     ),
     "gemma3-q8_0": TinySpec(arch="gemma3", weight_type=Q.Q8_0, n_layers=2),
+    "llama-f32": TinySpec(weight_type=Q.F32),
+    "llama-f16-bf16": TinySpec(
+        weight_type=Q.F16, overrides={"blk.0.ffn_down.weight": ((96, 64), Q.BF16)}
+    ),
 }
 
 
@@ -66,7 +72,7 @@ def _decode(path, compiled: bool, n_ctx: int = 32):
         logits = []
         for i, tok in enumerate(DECODE):
             logits.append(model.forward(np.array([tok]), len(PROMPT) + i, cache))
-        program = backend._steps._programs.get(model)
+        program = backend._steps.program(model)
         return np.concatenate(logits), cache, program
 
 
@@ -83,18 +89,17 @@ def test_compiled_step_equals_op_by_op(tmp_path, name):
         assert np.array_equal(got_cache.v[layer], want_cache.v[layer])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.F32])
-def test_untraceable_weight_type_runs_op_by_op(tmp_path, qtype):
-    spec = TinySpec(weight_type=qtype, n_embd=256, n_ff=256, head_dim=64)
+def test_untraceable_weight_type_runs_op_by_op(tmp_path):
+    spec = TinySpec(weight_type=Q.Q2_K, n_embd=256, n_ff=256, head_dim=64)
     path = tmp_path / "m.gguf"
     write_tiny_model(path, spec)
     want, _, _ = _decode(path, compiled=False)
     got, _, program = _decode(path, compiled=True)
-    assert program is False  # traced, refused: no SIMD kernel for this type
+    assert program is False  # traced, refused: no kernel in programs for this type
     assert np.array_equal(got, want)
 
 
-def test_exact_arithmetic_and_batches_never_compile(tmp_path):
+def test_exact_arithmetic_and_new_prompts_never_compile(tmp_path):
     path = tmp_path / "m.gguf"
     write_tiny_model(path, CASES["llama-q4_1"])
     backend = get_backend("cpu", n_threads=2, arithmetic="exact")
@@ -108,8 +113,8 @@ def test_exact_arithmetic_and_batches_never_compile(tmp_path):
     with GGUFReader(path) as reader:
         model = load_model(reader, backend)
         cache = model.new_cache(16)
-        model.forward(np.array(PROMPT), 0, cache)  # a prompt batch: op by op
-        assert model not in backend._steps._programs
+        model.forward(np.array(PROMPT), 0, cache)  # a prompt seen once: op by op
+        assert backend._steps.program(model, ((len(PROMPT), None),)) is None
 
 
 def test_compiled_step_errors_name_the_problem(tmp_path):
@@ -121,7 +126,7 @@ def test_compiled_step_errors_name_the_problem(tmp_path):
         cache = model.new_cache(4)
         for i in range(4):  # trace, prove, then compiled steps
             model.forward(np.array([65 + i]), i, cache)
-        assert backend._steps._programs[model].trusted
+        assert backend._steps.program(model).trusted
         with pytest.raises(BackendError, match="overflows"):
             model.forward(np.array([65]), 4, cache)
         with pytest.raises(IndexError, match="out of range"):
@@ -143,3 +148,78 @@ def test_every_architecture_compiles(tmp_path, arch):
     assert np.array_equal(got, want)
     for layer in range(len(want_cache.k)):
         assert np.array_equal(got_cache.k[layer], want_cache.k[layer])
+
+
+def _batched(path, compiled: bool, rounds: int = 4):
+    """Speculative-style verification (5 tokens of one sequence, logits of every row) and
+    server-style continuous batching (one token of each of three sequences at different
+    positions), ``rounds`` times each: logits of every pass, the caches, the programs."""
+    backend = get_backend("cpu", n_threads=2)
+    backend.compiled_steps = compiled
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        one = model.new_cache(64)
+        model.forward(np.array(PROMPT), 0, one)
+        logits, at = [], len(PROMPT)
+        for r in range(rounds):
+            toks = np.array(DECODE[r : r + 5])
+            logits.append(model.forward(toks, at, one, np.arange(5)))
+            at += 3  # as if two drafts were rejected: the next pass overwrites them
+        caches = [model.new_cache(32) for _ in range(3)]
+        for i, cache in enumerate(caches):
+            model.forward(np.array(PROMPT[: i + 2]), 0, cache)
+        for r in range(rounds):
+            segs = [
+                Segment(np.array([DECODE[r + i]]), i + 2 + r, cache)
+                for i, cache in enumerate(caches)
+            ]
+            logits += backend.forward_step(model, segs)
+        shapes = (((5, tuple(range(5))),), ((1, None),) * 3)
+        programs = [backend._steps.program(model, s) for s in shapes]
+        return np.concatenate(logits), [one, *caches], programs
+
+
+@pytest.mark.parametrize("name", ["llama-q4_1", "llama-k-mixed", "gemma3-q4_k-q6_k", "llama-f32"])
+def test_compiled_batches_equal_op_by_op(tmp_path, name):
+    """Programs of several rows (a verification) and of several sequences (continuous
+    batching) give the op-by-op pass's logits and caches, bit for bit."""
+    path = tmp_path / f"{name}.gguf"
+    write_tiny_model(path, CASES[name])
+    want, want_caches, _ = _batched(path, compiled=False)
+    got, got_caches, programs = _batched(path, compiled=True)
+    for program in programs:
+        assert isinstance(program, step._Program) and program.trusted, name
+    assert np.array_equal(got, want)
+    for w, g in zip(want_caches, got_caches, strict=True):
+        for layer in range(len(w.k)):
+            assert np.array_equal(g.k[layer], w.k[layer])
+            assert np.array_equal(g.v[layer], w.v[layer])
+
+
+def test_batch_shapes_that_never_compile(tmp_path):
+    """Two segments on one cache, or more rows than a program takes, run op by op."""
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    backend = get_backend("cpu", n_threads=2)
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        cache = model.new_cache(step.MAX_ROWS + 8)
+        seg = [Segment(np.array([65]), 0, cache), Segment(np.array([66]), 1, cache)]
+        assert step.batch_shape(seg) is None
+        long = Segment(np.arange(step.MAX_ROWS + 1) % 200, 0, cache)
+        assert step.batch_shape([long]) is None
+        for _ in range(3):
+            backend.forward_step(model, [long])
+        assert model not in backend._steps._programs or not backend._steps._programs[model]
+
+
+def test_arena_is_reused(tmp_path):
+    """Dead buffers' room is given to later ones: a SmolLM2-sized layer stack would
+    otherwise need an arena as large as every intermediate of every layer."""
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    _, _, programs = _batched(path, compiled=True, rounds=3)
+    program = programs[0]
+    logits = program.outs[0].size
+    # what is not the logits (live to the end) needs far less room than it was traced with
+    assert program.arena.size - logits < (program.traced_size - logits) / 3

@@ -219,7 +219,7 @@ def test_compiled_decode_step_with_adapters(files):
         steps = []
         for tok in ids[4:]:
             steps.append(ctx.eval([tok]))
-        program = ctx.backend._steps._programs.get(view)
+        program = ctx.backend._steps.program(view)
         assert program is not False and program is not None and program.trusted
         assert sum(row[0] == 12 for row in program.code) == 14 + 6  # one LoRA op per term
         # terms on one input run side by side, a run ending where a term reads an earlier
@@ -240,7 +240,7 @@ def test_compiled_decode_step_with_adapters(files):
         ctx.model = base
         ctx.reset()
         plain = [ctx.eval([tok]) for tok in ids[:3]]
-        assert ctx.backend._steps._programs.get(base) is not view
+        assert ctx.backend._steps.program(base) is not view
         assert _rel(np.array(plain), full[:3]) > 0.05
         adapters.close()
     finally:

@@ -1,20 +1,25 @@
-"""Compiled decode steps: one token's forward pass run by one Numba function.
+"""Compiled forward passes of a few tokens: one Numba function per batch shape.
 
 A decode step of a small model is hundreds of short ops (a norm of 576 floats, a RoPE of
 nine heads), and calling each from Python costs more than it computes: about 2 ms of a
-7 ms SmolLM2 step. So the CPU backend traces a model's single-token ``forward_batch``
-once, with symbolic arrays in place of numpy ones (``_Tracer``), into a program: one row of
-integers and floats per op, buffers as offsets into one float32 arena, weights as indices
-into a list. ``_run`` then executes the program in compiled code, calling the same kernels
-the op-by-op path calls (``simd`` block dots, ggml's norm, RoPE, SwiGLU/GeGLU and flash
-attention), so its logits are the op-by-op path's bit for bit. Each matmul is one parallel
-region over row ranges, as before.
+7 ms SmolLM2 step. So the CPU backend traces a model's ``forward_batch`` once per batch
+shape, with symbolic arrays in place of numpy ones (``_Tracer``), into a program: one row
+of integers and floats per op, buffers as offsets into one float32 arena (reused once a
+buffer is dead), weights as indices into a list. ``_run`` then executes the program in
+compiled code, calling the same kernels the op-by-op path calls (``simd`` block dots, the
+float rows, ggml's norm, RoPE, SwiGLU/GeGLU and flash attention), so its logits are the
+op-by-op path's bit for bit. Each matmul is one parallel region over row ranges, as before.
 
-What may vary between steps is only the token id and the position: the tracer records
-every argument that equals the traced position as "the position", and refuses anything it
-cannot express (a weight type without a SIMD kernel, a position used another way, an
-array operation it does not know), in which case the model keeps the op-by-op path. A
-program is trusted only after its first run gave the op-by-op path's logits exactly.
+A batch shape is the number of tokens of each segment and the rows whose logits are
+wanted: one token of one sequence (plain decoding), ``n`` tokens of one sequence (a
+speculative verification) or one token of each of several sequences (the server's
+continuous batching). What may vary between runs of a shape is the tokens, the positions
+and the caches: the tracer records every argument that equals the traced positions (or a
+segment's start) as such, and refuses anything it cannot express (a weight type without a
+kernel here, a position used another way, an array operation it does not know), in which
+case that shape keeps the op-by-op path. A shape is traced the second time it is seen (a
+prompt's length seldom recurs), and its program is trusted only after its first run gave
+the op-by-op path's logits exactly.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from picollama.backends.base import BackendError, Weight
 from picollama.backends.cpu import attention as _attn
 from picollama.backends.cpu import ggml_math, kernels, ops
 from picollama.backends.cpu.lora_kernels import LoraB, _row, lora_rows
-from picollama.backends.cpu.qdot import simd_quantize, simd_rows
+from picollama.backends.cpu.qdot import float_convert, float_rows, simd_quantize, simd_rows
 from picollama.backends.cpu.qdot_act import f32_to_f16_bits
 from picollama.backends.cpu.simd import SIMD_TYPES
 from picollama.gguf.constants import GGMLType
@@ -42,7 +47,31 @@ _OP_SCALE, _OP_ADD, _OP_MUL, _OP_RMS_NORM, _OP_MATMUL, _OP_GATED = 1, 2, 3, 4, 5
 _OP_ROPE, _OP_STORE_KV, _OP_ATTENTION, _OP_SILU_MUL, _OP_GELU_MUL = 7, 8, 9, 10, 11
 _OP_LORA = 12  # a LoRA adapter's term on a projection (``lora_kernels``)
 _OP_ADD_CONST, _OP_SOFTCAP = 13, 14  # a bias added to every row; cap * tanh(x / cap)
-_N_INT_ARGS = 13
+_OP_COPY = 15
+_N_INT_ARGS = 14
+
+# program rows' arguments that are arena offsets, per opcode (-1: none there)
+_ARENA_ARGS = {
+    _OP_SCALE: (1, 2),
+    _OP_ADD: (1, 2, 3),
+    _OP_MUL: (1, 2, 3),
+    _OP_RMS_NORM: (1, 2),
+    _OP_MATMUL: (1, 4, 7, 10),
+    _OP_GATED: (1, 4, 7, 10),
+    _OP_ROPE: (1, 2),
+    _OP_STORE_KV: (1, 2),
+    _OP_ATTENTION: (1, 2),
+    _OP_SILU_MUL: (1, 2, 3),
+    _OP_GELU_MUL: (1, 2, 3),
+    _OP_LORA: (1, 5, 6),
+    _OP_ADD_CONST: (1, 3),
+    _OP_SOFTCAP: (1, 2),
+    _OP_COPY: (1, 2),
+}
+
+# the most tokens a program takes (more: a prompt, op by op) and programs kept per model
+MAX_ROWS = 32
+MAX_PROGRAMS = 32
 
 _Q4_0 = int(GGMLType.Q4_0)
 _Q4_1 = int(GGMLType.Q4_1)
@@ -52,6 +81,11 @@ _Q8_0 = int(GGMLType.Q8_0)
 _Q4_K = int(GGMLType.Q4_K)
 _Q6_K = int(GGMLType.Q6_K)
 assert {_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q6_K} == {int(t) for t in SIMD_TYPES}
+_F32 = int(GGMLType.F32)
+_F16 = int(GGMLType.F16)
+_BF16 = int(GGMLType.BF16)
+FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
+STEP_TYPES = SIMD_TYPES | FLOAT_TYPES
 
 
 class Untraceable(Exception):
@@ -98,26 +132,60 @@ def _rows_any(qt, w, xq, xd, xs, bsums, out, lo, hi):
         simd_rows(_Q8_0, w, xq, xd, xs, bsums, out, lo, hi)
 
 
+@nb.njit(cache=True)
+def _convert_any(qt, x):
+    """x (n, k) in the dot type of float weight type ``qt``, as float32."""
+    if qt == _F16:
+        return float_convert(_F16, x)
+    if qt == _BF16:
+        return float_convert(_BF16, x)
+    return float_convert(_F32, x)
+
+
+@nb.njit(cache=True)
+def _float_rows_any(qt, xf, w, w32, out, lo, hi):
+    """Outputs ``lo..hi`` of ``x @ W.T`` for float weights of type ``qt``."""
+    k = xf.shape[1]
+    if qt == _F16:
+        float_rows(_F16, xf, w, w32, out, k, lo, hi)
+    elif qt == _BF16:
+        float_rows(_BF16, xf, w, w32, out, k, lo, hi)
+    else:
+        float_rows(_F32, xf, w, w32, out, k, lo, hi)
+
+
 @nb.njit(cache=True, parallel=True)
-def _matmuls(arena, src, k, ws, wtypes, ins, n_tasks):
-    """Up to three products of one activation (``ins``: rows of (wid, dst, m), wid -1 for
-    none): one quantization and one parallel region when the weights share a type."""
-    x = arena[src : src + k].reshape(1, k)
+def _matmuls(arena, src, n, k, ws, ws32, wtypes, ins, n_tasks):
+    """Up to three products of one activation (n, k) (``ins``: rows of (wid, dst, m), wid
+    -1 for none): one conversion of x and one parallel region when the weights share a
+    type."""
+    x = arena[src : src + n * k].reshape(n, k)
     qt = wtypes[ins[0, 0]]
     same = True
     for j in range(1, 3):
         if ins[j, 0] >= 0 and wtypes[ins[j, 0]] != qt:
             same = False
+    # a row range of each product per task (an absent product has 0 rows)
+    i0, i1, i2 = ins[0, 0], max(ins[1, 0], 0), max(ins[2, 0], 0)
+    m0 = ins[0, 2]
+    m1 = ins[1, 2] if ins[1, 0] >= 0 else 0
+    m2 = ins[2, 2] if ins[2, 0] >= 0 else 0
+    o0 = arena[ins[0, 1] : ins[0, 1] + n * m0].reshape(n, m0)
+    o1 = arena[max(ins[1, 1], 0) : max(ins[1, 1], 0) + n * m1].reshape(n, m1)
+    o2 = arena[max(ins[2, 1], 0) : max(ins[2, 1], 0) + n * m2].reshape(n, m2)
+    if same and (qt == _F32 or qt == _F16 or qt == _BF16):
+        xf = _convert_any(qt, x)
+        for t in prange(n_tasks):
+            lo, hi = t * m0 // n_tasks, (t + 1) * m0 // n_tasks
+            _float_rows_any(qt, xf, ws[i0], ws32[i0], o0, lo, hi)
+            lo, hi = t * m1 // n_tasks, (t + 1) * m1 // n_tasks
+            _float_rows_any(qt, xf, ws[i1], ws32[i1], o1, lo, hi)
+            lo, hi = t * m2 // n_tasks, (t + 1) * m2 // n_tasks
+            _float_rows_any(qt, xf, ws[i2], ws32[i2], o2, lo, hi)
+        return
     if same:
         xq, xd, xs, bsums = _quantize_any(qt, x)
-        # a row range of each product per task (an absent product has 0 rows)
-        w0, w1, w2 = ws[ins[0, 0]], ws[max(ins[1, 0], 0)], ws[max(ins[2, 0], 0)]
-        m0 = ins[0, 2]
-        m1 = ins[1, 2] if ins[1, 0] >= 0 else 0
-        m2 = ins[2, 2] if ins[2, 0] >= 0 else 0
-        o0 = arena[ins[0, 1] : ins[0, 1] + m0].reshape(1, m0)
-        o1 = arena[max(ins[1, 1], 0) : max(ins[1, 1], 0) + m1].reshape(1, m1)
-        o2 = arena[max(ins[2, 1], 0) : max(ins[2, 1], 0) + m2].reshape(1, m2)
+        w0, w1, w2 = ws[i0], ws[i1], ws[i2]
         for t in prange(n_tasks):
             _rows_any(qt, w0, xq, xd, xs, bsums, o0, t * m0 // n_tasks, (t + 1) * m0 // n_tasks)
             _rows_any(qt, w1, xq, xd, xs, bsums, o1, t * m1 // n_tasks, (t + 1) * m1 // n_tasks)
@@ -129,18 +197,37 @@ def _matmuls(arena, src, k, ws, wtypes, ins, n_tasks):
             continue
         qj = wtypes[wid]
         m = ins[j, 2]
-        xq, xd, xs, bsums = _quantize_any(qj, x)
-        out = arena[ins[j, 1] : ins[j, 1] + m].reshape(1, m)
+        out = arena[ins[j, 1] : ins[j, 1] + n * m].reshape(n, m)
         w = ws[wid]
+        if qj == _F32 or qj == _F16 or qj == _BF16:
+            xf = _convert_any(qj, x)
+            for t in prange(n_tasks):
+                _float_rows_any(qj, xf, w, ws32[wid], out, t * m // n_tasks, (t + 1) * m // n_tasks)
+            continue
+        xq, xd, xs, bsums = _quantize_any(qj, x)
         for t in prange(n_tasks):
             _rows_any(qj, w, xq, xd, xs, bsums, out, t * m // n_tasks, (t + 1) * m // n_tasks)
 
 
 @nb.njit(cache=True)
-def _run(code, fargs, ws, wtypes, consts, arena, k_cache, v_cache, pos, n_tasks, gelu):
-    """Execute a program for one token at position ``pos`` (its embedding already in the
-    arena); caches are (n_layers, n_ctx, n_kv_heads, head_dim) uint16 F16 bits."""
-    positions = np.full(1, pos, np.int64)
+def _run(
+    code,
+    fargs,
+    ws,
+    ws32,
+    wtypes,
+    consts,
+    arena,
+    k_caches,
+    v_caches,
+    positions,
+    starts,
+    n_tasks,
+    gelu,
+):
+    """Execute a program for tokens at ``positions`` (their embeddings already in the
+    arena); segment s starts at ``starts[s]`` in caches ``k_caches[s]``, ``v_caches[s]``:
+    (n_layers, n_ctx, n_kv_heads, head_dim) uint16 F16 bits."""
     ins = np.full((3, 3), -1, np.int64)
     for i in range(code.shape[0]):
         c = code[i]
@@ -155,6 +242,9 @@ def _run(code, fargs, ws, wtypes, consts, arena, k_cache, v_cache, pos, n_tasks,
         elif op == _OP_MUL:
             for j in range(c[4]):
                 arena[c[3] + j] = arena[c[1] + j] * arena[c[2] + j]
+        elif op == _OP_COPY:
+            for j in range(c[3]):
+                arena[c[2] + j] = arena[c[1] + j]
         elif op == _OP_ADD_CONST:
             # [op, src, const, dst, rows, d]
             d = c[5]
@@ -176,35 +266,37 @@ def _run(code, fargs, ws, wtypes, consts, arena, k_cache, v_cache, pos, n_tasks,
             w = consts[c[5] : c[5] + d] if c[5] >= 0 else consts[:0]
             ops._rms_norm(x, w, np.float32(fargs[i, 0]), c[5] >= 0, out)
         elif op == _OP_MATMUL or op == _OP_GATED:
-            # [op, src, k, wid0, dst0, m0, wid1, dst1, m1, wid2, dst2, m2, act/dst]
+            # [op, src, k, wid0, dst0, m0, wid1, dst1, m1, wid2, dst2, m2, act/dst, n]
+            n = c[13]
             for j in range(3):
                 ins[j, 0] = c[3 + 3 * j]
                 ins[j, 1] = c[4 + 3 * j]
                 ins[j, 2] = c[5 + 3 * j]
-            _matmuls(arena, c[1], c[2], ws, wtypes, ins, n_tasks)
+            _matmuls(arena, c[1], n, c[2], ws, ws32, wtypes, ins, n_tasks)
             if op == _OP_GATED:
                 m = c[5]
-                g = arena[c[4] : c[4] + m].reshape(1, m)
-                u = arena[c[7] : c[7] + m].reshape(1, m)
-                out = arena[c[10] : c[10] + m].reshape(1, m)
+                g = arena[c[4] : c[4] + n * m].reshape(n, m)
+                u = arena[c[7] : c[7] + n * m].reshape(n, m)
+                out = arena[c[10] : c[10] + n * m].reshape(n, m)
                 if c[12] == 0:
                     ggml_math._silu_mul(g, u, out)
                 else:
                     ggml_math._gelu_mul(g, u, out, gelu)
         elif op == _OP_SILU_MUL or op == _OP_GELU_MUL:
-            m = c[4]
-            g = arena[c[1] : c[1] + m].reshape(1, m)
-            u = arena[c[2] : c[2] + m].reshape(1, m)
-            out = arena[c[3] : c[3] + m].reshape(1, m)
+            # [op, gate, up, dst, rows, m]
+            n, m = c[4], c[5]
+            g = arena[c[1] : c[1] + n * m].reshape(n, m)
+            u = arena[c[2] : c[2] + n * m].reshape(n, m)
+            out = arena[c[3] : c[3] + n * m].reshape(n, m)
             if op == _OP_SILU_MUL:
                 ggml_math._silu_mul(g, u, out)
             else:
                 ggml_math._gelu_mul(g, u, out, gelu)
         elif op == _OP_ROPE:
-            # [op, src, dst, n_heads, head_dim, n_rot, neox]; fargs: base, freq scale
-            nh, hd = c[3], c[4]
-            x = arena[c[1] : c[1] + nh * hd].reshape(1, nh, hd)
-            out = arena[c[2] : c[2] + nh * hd].reshape(1, nh, hd)
+            # [op, src, dst, n_heads, head_dim, n_rot, neox, rows]; fargs: base, freq scale
+            n, nh, hd = c[7], c[3], c[4]
+            x = arena[c[1] : c[1] + n * nh * hd].reshape(n, nh, hd)
+            out = arena[c[2] : c[2] + n * nh * hd].reshape(n, nh, hd)
             ops._rope(
                 x,
                 positions,
@@ -216,26 +308,32 @@ def _run(code, fargs, ws, wtypes, consts, arena, k_cache, v_cache, pos, n_tasks,
                 out,
             )
         elif op == _OP_STORE_KV:
-            # [op, k_src, v_src, layer, n_k, n_v]: round to F16 as ggml's copy
-            kc = k_cache[c[3], pos].reshape(-1)
-            vc = v_cache[c[3], pos].reshape(-1)
-            for j in range(c[4]):
-                kc[j] = f32_to_f16_bits(arena[c[1] + j])
-            for j in range(c[5]):
-                vc[j] = f32_to_f16_bits(arena[c[2] + j])
+            # [op, k_src, v_src, layer, n_k, n_v, segment, rows]: F16 rounding as ggml's copy
+            seg, n, nk, nv = c[6], c[7], c[4], c[5]
+            for t in range(n):
+                kc = k_caches[seg][c[3], starts[seg] + t].reshape(-1)
+                vc = v_caches[seg][c[3], starts[seg] + t].reshape(-1)
+                for j in range(nk):
+                    kc[j] = f32_to_f16_bits(arena[c[1] + t * nk + j])
+                for j in range(nv):
+                    vc[j] = f32_to_f16_bits(arena[c[2] + t * nv + j])
         elif op == _OP_ATTENTION:
-            # [op, q, dst, layer, n_heads, head_dim, window, head_dim_v]; fargs: scale, softcap
-            nh, hd, hdv = c[4], c[5], c[7]
-            q = arena[c[1] : c[1] + nh * hd].reshape(1, nh, hd)
-            out = arena[c[2] : c[2] + nh * hdv].reshape(1, nh * hdv)
-            kc = k_cache[c[3]]
-            vc = v_cache[c[3]]
+            # [op, q, dst, layer, n_heads, head_dim, window, head_dim_v, segment, rows];
+            # fargs: scale, softcap
+            nh, hd, hdv, seg, n = c[4], c[5], c[7], c[8], c[9]
+            q = arena[c[1] : c[1] + n * nh * hd].reshape(n, nh, hd)
+            out = arena[c[2] : c[2] + n * nh * hdv].reshape(n, nh * hdv)
+            kc = k_caches[seg][c[3]]
+            vc = v_caches[seg][c[3]]
+            start = starts[seg]
             scale = np.float32(fargs[i, 0])
             softcap = np.float32(fargs[i, 1])
-            if nh * (pos + 1) * hd >= _attn._PARALLEL_MIN_WORK:
-                _attn._parallel(q, kc, vc, pos, scale, c[6], softcap, out, True)
+            # as ``attention.attention`` chooses, so the result is the op-by-op one
+            chunk = n < _attn.FA_TILE_Q
+            if n * nh * (start + n) * hd >= _attn._PARALLEL_MIN_WORK:
+                _attn._parallel(q, kc, vc, start, scale, c[6], softcap, out, chunk)
             else:
-                _attn._serial(q, kc, vc, pos, scale, c[6], softcap, out, True)
+                _attn._serial(q, kc, vc, start, scale, c[6], softcap, out, chunk)
         elif op == _OP_LORA and c[8] == 1:
             # [op, x, k, a_wid, bt_wid, y, dst, m, n_terms]; fargs: scale
             k, m = c[2], c[7]
@@ -299,11 +397,12 @@ class _Sym:
         return _Sym(self.offset, tuple(shape))
 
     def __getitem__(self, key) -> _Sym:
-        # only whole-array row slices (a single sequence of one token) are expressible
-        if isinstance(key, slice) and key.step in (None, 1):
+        # only contiguous ranges of rows (a segment's tokens) are expressible
+        if isinstance(key, slice) and key.step in (None, 1) and self.ndim >= 1:
             lo, hi, _ = key.indices(self.shape[0])
-            if lo == 0 and hi == self.shape[0]:
-                return self
+            hi = max(lo, hi)
+            row = self.size // max(self.shape[0], 1)
+            return _Sym(self.offset + lo * row, (hi - lo, *self.shape[1:]))
         raise Untraceable(f"indexing {key!r}")
 
     def __array__(self, *args, **kwargs):
@@ -311,13 +410,19 @@ class _Sym:
 
 
 class _Tracer:
-    """Stands in for the CPU backend while a model's single-token step is traced."""
+    """Stands in for the CPU backend while a model's forward pass of one batch shape is
+    traced: ``segments`` are the traced call's, whose tokens, starts and caches become the
+    program's inputs."""
 
-    def __init__(self, backend, token: int, pos: int):
+    def __init__(self, backend, segments):
         self.backend = backend
-        self.token = token
-        self.pos = pos
+        self.segments = segments
+        self.tokens = np.concatenate([np.asarray(s.tokens, np.int64) for s in segments])
+        self.positions = np.concatenate(
+            [np.arange(s.start, s.start + len(s.tokens), dtype=np.int64) for s in segments]
+        )
         self.rows: list[tuple[list[int], list[float]]] = []
+        self.regions: list[tuple[int, int]] = []  # (offset, size) of each buffer
         self.arena_size = 0
         self.weights: list = []
         self._wid: dict[int, int] = {}
@@ -325,7 +430,6 @@ class _Tracer:
         self.consts_size = 0
         self._cid: dict[int, int] = {}
         self.embedding = None  # (weight, arena offset)
-        self.cache = None
 
     def __getattr__(self, name):
         raise Untraceable(f"backend attribute '{name}'")
@@ -334,13 +438,14 @@ class _Tracer:
 
     def _new(self, shape) -> _Sym:
         sym = _Sym(self.arena_size, shape)
+        self.regions.append((sym.offset, sym.size))
         self.arena_size += sym.size
         return sym
 
     def _emit(self, op: int, ints: list[int], floats: tuple[float, ...] = ()) -> None:
         self.rows.append(([op, *ints], list(floats)))
 
-    def _weight(self, w, types=SIMD_TYPES) -> int:
+    def _weight(self, w, types=STEP_TYPES) -> int:
         if w.type not in types:
             raise Untraceable(f"weight '{w.name}' of type {w.type.name}")
         wid = self._wid.get(id(w))
@@ -362,13 +467,31 @@ class _Tracer:
             raise Untraceable(f"a {type(x).__name__} operand")
         return x
 
-    def _at_pos(self, value) -> None:
-        if np.asarray(value).reshape(-1).tolist() != [self.pos]:
-            raise Untraceable("a position other than the step's")
+    def _segment(self, cache, start, rows: _Sym) -> int:
+        """The index of the segment whose cache is ``cache``: its start and row count must be
+        the ones given."""
+        for i, seg in enumerate(self.segments):
+            if seg.cache is cache:
+                if np.asarray(start).reshape(-1).tolist() != [seg.start]:
+                    raise Untraceable("a position other than the segment's start")
+                if rows.shape[0] != len(seg.tokens):
+                    raise Untraceable("a cache access of another number of rows")
+                return i
+        raise Untraceable("a cache that is not a segment's")
 
     def _same(self, a: _Sym, b: _Sym) -> None:
         if a.size != b.size:
             raise Untraceable(f"shapes {a.shape} and {b.shape}")
+
+    def _copy_rows(self, parts: list[tuple[_Sym, int, int]], shape) -> _Sym:
+        """A new buffer of ``shape`` filled with rows ``lo..hi`` of each part, in order."""
+        out = self._new(shape)
+        at = out.offset
+        for x, lo, hi in parts:
+            row = x.size // max(x.shape[0], 1)
+            self._emit(_OP_COPY, [x.offset + lo * row, at, (hi - lo) * row])
+            at += (hi - lo) * row
+        return out
 
     # -- the op interface --
 
@@ -379,22 +502,33 @@ class _Tracer:
         return self._sym(x)
 
     def get_rows(self, w, ids):
-        if self.embedding is not None or np.asarray(ids).reshape(-1).tolist() != [self.token]:
-            raise Untraceable("an embedding lookup other than the step's token")
-        out = self._new((1, w.k))
+        if self.embedding is not None or not np.array_equal(np.asarray(ids), self.tokens):
+            raise Untraceable("an embedding lookup other than the batch's tokens")
+        out = self._new((len(self.tokens), w.k))
         self.embedding = (w, out.offset)
         return out
 
     def take_rows(self, x, rows):
         x = self._sym(x)
-        if x.shape[0] != 1 or np.asarray(rows).reshape(-1).tolist() != [0]:
-            raise Untraceable("take_rows of several rows")
-        return x
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if np.array_equal(rows, np.arange(x.shape[0])):
+            return x
+        if rows.size and (rows.min() < 0 or rows.max() >= x.shape[0]):
+            raise Untraceable("take_rows out of range")
+        runs: list[tuple[_Sym, int, int]] = []
+        for r in rows.tolist():
+            if runs and runs[-1][2] == r:
+                runs[-1] = (x, runs[-1][1], r + 1)
+            else:
+                runs.append((x, r, r + 1))
+        return self._copy_rows(runs, (len(rows), *x.shape[1:]))
 
     def concat(self, parts):
-        if len(parts) != 1:
-            raise Untraceable("concat")
-        return self._sym(parts[0])
+        parts = [self._sym(p) for p in parts]
+        if len({p.shape[1:] for p in parts}) != 1:
+            raise Untraceable("concat of different row shapes")
+        n = sum(p.shape[0] for p in parts)
+        return self._copy_rows([(p, 0, p.shape[0]) for p in parts], (n, *parts[0].shape[1:]))
 
     def scale(self, x, s):
         x = self._sym(x)
@@ -444,17 +578,19 @@ class _Tracer:
 
     def _products(self, op, x, ws, extra=0):
         x = self._sym(x)
-        if x.shape[0] != 1 or x.shape[-1] != ws[0].k or len(ws) > 3:
-            raise Untraceable("a matmul of several rows")
-        ints, outs = [x.offset, ws[0].k], []
+        k = ws[0].k
+        if x.ndim != 2 or x.shape[-1] != k or len(ws) > 3:
+            raise Untraceable(f"a matmul of shape {x.shape}")
+        n = x.shape[0]
+        ints, outs = [x.offset, k], []
         for w in ws:
-            if w.k != ws[0].k:
+            if w.k != k:
                 raise Untraceable("matmuls of different widths")
-            out = self._new((1, w.m))
+            out = self._new((n, w.m))
             ints += [self._weight(w), out.offset, w.m]
             outs.append(out)
         ints += [-1, -1, 0] * (3 - len(ws))
-        self._emit(op, ints + [extra])
+        self._emit(op, ints + [extra, n])
         return outs
 
     def matmul(self, x, w):
@@ -466,7 +602,8 @@ class _Tracer:
     def gated_ffn(self, x, w_gate, w_up, act):
         if act not in ("silu", "gelu") or w_gate.m != w_up.m:
             raise Untraceable(f"gated_ffn '{act}'")
-        out = self._new((1, w_gate.m))
+        x = self._sym(x)
+        out = self._new((x.shape[0], w_gate.m))
         self._products(_OP_GATED, x, (w_gate, w_up, w_gate), 0 if act == "silu" else 1)
         # the third product slot carries the output: it is not computed (see below)
         row = self.rows[-1][0]
@@ -497,45 +634,40 @@ class _Tracer:
         g, u = self._sym(gate), self._sym(up)
         self._same(g, u)
         out = self._new(g.shape)
-        self._emit(op, [g.offset, u.offset, out.offset, g.size])
+        m = g.shape[-1]
+        self._emit(op, [g.offset, u.offset, out.offset, g.size // m, m])
         return out
 
     def rope(self, x, positions, n_rot, freq_base, freq_scale=1.0, neox=False):
         x = self._sym(x)
-        if x.ndim != 3 or x.shape[0] != 1:
-            raise Untraceable("rope of several rows")
-        self._at_pos(positions)
+        if x.ndim != 3 or not np.array_equal(np.asarray(positions), self.positions):
+            raise Untraceable("rope of rows other than the batch's")
         out = self._new(x.shape)
         ints = [x.offset, out.offset, x.shape[1], x.shape[2], int(n_rot), int(bool(neox))]
-        self._emit(_OP_ROPE, ints, (float(freq_base), float(freq_scale)))
+        self._emit(_OP_ROPE, ints + [x.shape[0]], (float(freq_base), float(freq_scale)))
         return out
-
-    def _check_cache(self, cache):
-        if self.cache is None:
-            self.cache = cache
-        elif cache is not self.cache:
-            raise Untraceable("two caches in one step")
 
     def store_kv(self, cache, layer, k, v, start):
         k, v = self._sym(k), self._sym(v)
-        self._check_cache(cache)
-        self._at_pos(start)
-        if k.size != cache.n_kv_heads * cache.head_dim_k:
+        seg = self._segment(cache, start, k)
+        n = k.shape[0]
+        if k.size != n * cache.n_kv_heads * cache.head_dim_k:
             raise Untraceable("a key row of another size")
-        if v.size != cache.n_kv_heads * cache.head_dim_v:
+        if v.shape[0] != n or v.size != n * cache.n_kv_heads * cache.head_dim_v:
             raise Untraceable("a value row of another size")
-        self._emit(_OP_STORE_KV, [k.offset, v.offset, int(layer), k.size, v.size])
+        ints = [k.offset, v.offset, int(layer), k.size // n, v.size // n, seg, n]
+        self._emit(_OP_STORE_KV, ints)
 
     def attention(self, q, cache, layer, start, scale, window=0, softcap=0.0):
         q = self._sym(q)
-        self._check_cache(cache)
-        self._at_pos(start)
-        if q.ndim != 3 or q.shape[0] != 1 or q.shape[2] != cache.head_dim_k:
-            raise Untraceable("attention of several rows")
-        n_heads = q.shape[1]
-        out = self._new((1, n_heads * cache.head_dim_v))
+        seg = self._segment(cache, start, q)
+        if q.ndim != 3 or q.shape[2] != cache.head_dim_k:
+            raise Untraceable(f"attention of shape {q.shape}")
+        n, n_heads = q.shape[0], q.shape[1]
+        out = self._new((n, n_heads * cache.head_dim_v))
         ints = [q.offset, out.offset, int(layer), n_heads, cache.head_dim_k, int(window)]
-        self._emit(_OP_ATTENTION, ints + [cache.head_dim_v], (float(scale), float(softcap)))
+        ints += [cache.head_dim_v, seg, n]
+        self._emit(_OP_ATTENTION, ints, (float(scale), float(softcap)))
         return out
 
 
@@ -566,10 +698,86 @@ def _group_lora_terms(code: np.ndarray, fargs: np.ndarray) -> None:
         i = j
 
 
-class _Program:
-    """A traced step, ready to run: the arrays ``_run`` takes."""
+def _pack_arena(code: np.ndarray, regions: list[tuple[int, int]], pinned: set[int]) -> int:
+    """Give dead buffers' room to later ones: each region of the traced arena gets a new
+    offset, first fit among the places free from its first to its last use (rows of one
+    LoRA run count as one use, since they run at once), and the offsets in ``code`` are
+    rewritten. Regions holding an offset in ``pinned`` (the embedding, the outputs) stay
+    live from start to end. A region is never given the room of one that dies in the op
+    that writes it, so no op reads and writes the same memory. Returns the arena's size."""
+    starts = np.array([r[0] for r in regions], np.int64)
 
-    def __init__(self, tracer: _Tracer, out: _Sym):
+    def region_of(offset: int) -> int:
+        return int(np.searchsorted(starts, offset, side="right")) - 1
+
+    first = {}
+    last = {}
+    time, run_left = -1, 0
+    for i, row in enumerate(code):
+        if run_left > 0:
+            run_left -= 1
+        else:
+            time = i
+            if row[0] == _OP_LORA and row[8] > 1:
+                run_left = int(row[8]) - 1
+        for a in _ARENA_ARGS[int(row[0])]:
+            if row[a] < 0:
+                continue
+            r = region_of(int(row[a]))
+            first.setdefault(r, time)
+            last[r] = time
+    end = len(code)
+    for off in pinned:
+        r = region_of(off)
+        first[r] = -1
+        last[r] = end
+    # events in time order: at time t, regions born at t get room, then those dying at t free it
+    placed: dict[int, int] = {}
+    free: list[tuple[int, int]] = []  # (offset, size), sorted by offset
+    size = 0
+    order = sorted(first, key=lambda r: (first[r], r))
+    dying: dict[int, list[int]] = {}
+    for r in order:
+        dying.setdefault(last[r], []).append(r)
+    births: dict[int, list[int]] = {}
+    for r in order:
+        births.setdefault(first[r], []).append(r)
+    for t in sorted(set(births) | set(dying)):
+        for r in births.get(t, []):
+            need = regions[r][1]
+            for j, (off, room) in enumerate(free):
+                if room >= need:
+                    placed[r] = off
+                    if room == need:
+                        free.pop(j)
+                    else:
+                        free[j] = (off + need, room - need)
+                    break
+            else:
+                placed[r] = size
+                size += need
+        for r in dying.get(t, []):
+            free.append((placed[r], regions[r][1]))
+            free.sort()
+            merged: list[tuple[int, int]] = []
+            for off, room in free:
+                if merged and merged[-1][0] + merged[-1][1] == off:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + room)
+                else:
+                    merged.append((off, room))
+            free = merged
+    for row in code:
+        for a in _ARENA_ARGS[int(row[0])]:
+            if row[a] >= 0:
+                r = region_of(int(row[a]))
+                row[a] = placed[r] + (row[a] - regions[r][0])
+    return size
+
+
+class _Program:
+    """A traced forward pass of one batch shape, ready to run: the arrays ``_run`` takes."""
+
+    def __init__(self, tracer: _Tracer, outs: list[_Sym]):
         n = len(tracer.rows)
         self.code = np.zeros((n, _N_INT_ARGS), np.int64)
         self.fargs = np.zeros((n, 2), np.float64)
@@ -577,39 +785,60 @@ class _Program:
             self.code[i, : len(ints)] = ints
             self.fargs[i, : len(floats)] = floats
         _group_lora_terms(self.code, self.fargs)
+        self.embedding, embd_offset = tracer.embedding
+        # the outputs and the embedding keep their own room; record them as rows of the
+        # program so that packing relocates them with everything else
+        pinned = [embd_offset] + [o.offset for o in outs]
+        marks = np.zeros((len(pinned), _N_INT_ARGS), np.int64)
+        marks[:, 0] = _OP_COPY
+        marks[:, 1] = pinned
+        marks[:, 2] = pinned
+        both = np.concatenate([self.code, marks])
+        size = _pack_arena(both, tracer.regions, set(pinned))
+        self.code = np.ascontiguousarray(both[:n])
+        self.embd_offset = int(both[n, 1])
+        self.outs = [_Sym(int(both[n + 1 + i, 1]), o.shape) for i, o in enumerate(outs)]
         self.weights = List()
+        self.weights32 = List()
         for w in tracer.weights:
             view = np.asarray(w.data).view()
             view.flags.writeable = False
             self.weights.append(view)
+            f32 = view.view(np.float32) if w.type == GGMLType.F32 else _NO_F32
+            self.weights32.append(f32)
         self.wtypes = np.array([int(w.type) for w in tracer.weights], np.int64)
         self.consts = (
             np.concatenate(tracer.consts) if tracer.consts else np.zeros(0, np.float32)
         ).astype(np.float32)
-        self.arena = np.zeros(tracer.arena_size, np.float32)
-        self.embedding, self.embd_offset = tracer.embedding
-        self.out = out
+        self.arena = np.zeros(max(size, 1), np.float32)
+        self.traced_size = tracer.arena_size  # the arena without reuse
         self.trusted = False
 
-    def run(self, token: int, pos: int, k4: np.ndarray, v4: np.ndarray, n_tasks: int):
+    def run(self, tokens, positions, starts, k_caches, v_caches, n_tasks: int):
         w = self.embedding
-        row = kernels.get_rows(w.data, np.array([token], np.int64), w.type, w.k)
-        self.arena[self.embd_offset : self.embd_offset + w.k] = row[0]
+        rows = kernels.get_rows(w.data, tokens, w.type, w.k)
+        self.arena[self.embd_offset : self.embd_offset + rows.size] = rows.reshape(-1)
         _run(
             self.code,
             self.fargs,
             self.weights,
+            self.weights32,
             self.wtypes,
             self.consts,
             self.arena,
-            k4,
-            v4,
-            pos,
+            k_caches,
+            v_caches,
+            positions,
+            starts,
             n_tasks,
             ggml_math.gelu_table(),
         )
-        o = self.out
-        return self.arena[o.offset : o.offset + o.size].reshape(o.shape).copy()
+        return [self.arena[o.offset : o.offset + o.size].reshape(o.shape).copy() for o in self.outs]
+
+
+# the float32 view given for weights that are not F32 (read-only, as the F32 views are)
+_NO_F32 = np.zeros((0, 0), np.float32)
+_NO_F32.flags.writeable = False
 
 
 def _cache_blocks(cache) -> tuple[np.ndarray, np.ndarray] | None:
@@ -637,45 +866,106 @@ def _cache_blocks(cache) -> tuple[np.ndarray, np.ndarray] | None:
     return k4, v4
 
 
+def batch_shape(segments) -> tuple | None:
+    """The key of a batch's program: (tokens, logit rows) per segment; None for a batch no
+    program takes (too many rows, or two segments on one cache)."""
+    if not segments or sum(len(s.tokens) for s in segments) > MAX_ROWS:
+        return None
+    if len({id(s.cache) for s in segments}) != len(segments):
+        return None
+    key = []
+    for s in segments:
+        n = len(s.tokens)
+        if n == 0:
+            return None
+        rows = (
+            None if s.logit_rows is None else tuple(np.asarray(s.logit_rows).reshape(-1).tolist())
+        )
+        if rows == (n - 1,):
+            rows = None
+        key.append((n, rows))
+    return tuple(key)
+
+
 class StepCompiler:
-    """Per model: trace the single-token step once, prove it once, then run it compiled."""
+    """Per model and batch shape: trace the forward pass once the shape recurs, prove the
+    program once, then run it compiled."""
 
     def __init__(self, backend):
         self.backend = backend
+        # model -> {batch shape: program, False (untraceable) or a count of sightings}
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lists: dict[tuple, tuple] = {}  # typed lists of cache blocks, by the blocks
+
+    def program(self, model, shape=((1, None),)):
+        """The program of ``shape`` for ``model`` (None before it was traced; False if it
+        cannot be)."""
+        entry = self._programs.get(model, {}).get(shape)
+        return entry if isinstance(entry, (_Program, bool)) else None
 
     def forward_step(self, model, segments: list) -> list[np.ndarray]:
-        seg = segments[0] if len(segments) == 1 else None
-        if seg is None or len(seg.tokens) != 1:
+        shape = batch_shape(segments)
+        if shape is None:
             return model.forward_batch(segments)
-        if seg.logit_rows is not None and np.asarray(seg.logit_rows).reshape(-1).tolist() != [0]:
+        blocks = [_cache_blocks(s.cache) for s in segments]
+        if any(b is None for b in blocks):
             return model.forward_batch(segments)
-        blocks = _cache_blocks(seg.cache)
-        if blocks is None:
+        programs = self._programs.setdefault(model, {})
+        entry = programs.get(shape, 0)
+        if entry is False:
             return model.forward_batch(segments)
-        token, pos = int(np.asarray(seg.tokens).reshape(-1)[0]), int(seg.start)
-        program = self._programs.get(model)
-        if program is False:
+        if not isinstance(entry, _Program):
+            if entry == 0 and shape != ((1, None),):  # seen once: a prompt's length seldom recurs
+                if len(programs) < 4 * MAX_PROGRAMS:
+                    programs[shape] = 1
+                return model.forward_batch(segments)
+            if sum(isinstance(p, _Program) for p in programs.values()) >= MAX_PROGRAMS:
+                return model.forward_batch(segments)
+            programs[shape] = self._trace(model, segments)
             return model.forward_batch(segments)
-        if program is None:
-            program = self._trace(model, segments, token, pos)
-            self._programs[model] = program
-            return model.forward_batch(segments)
-        if pos + 1 > seg.cache.n_ctx:
-            raise BackendError(f"KV cache of {seg.cache.n_ctx} positions overflows at {pos + 1}")
+        for s in segments:
+            if s.start + len(s.tokens) > s.cache.n_ctx:
+                raise BackendError(
+                    f"KV cache of {s.cache.n_ctx} positions overflows at {s.start + len(s.tokens)}"
+                )
+        tokens = np.concatenate([np.asarray(s.tokens, np.int64).reshape(-1) for s in segments])
+        positions = np.concatenate(
+            [np.arange(s.start, s.start + len(s.tokens), dtype=np.int64) for s in segments]
+        )
+        starts = np.array([s.start for s in segments], np.int64)
+        k_caches, v_caches = self._cache_lists(blocks)
         n_tasks = max(1, 4 * nb.get_num_threads())
-        if program.trusted:
-            return [program.run(token, pos, *blocks, n_tasks)]
+        args = (tokens, positions, starts, k_caches, v_caches, n_tasks)
+        if entry.trusted:
+            return entry.run(*args)
+        # the program first, then the op-by-op pass, whose cache rows are the ones kept
+        got = entry.run(*args)
         expected = model.forward_batch(segments)
-        got = program.run(token, pos, *blocks, n_tasks)
-        if len(expected) == 1 and np.array_equal(expected[0], got):
-            program.trusted = True
+        if len(expected) == len(got) and all(
+            np.array_equal(e, g) for e, g in zip(expected, got, strict=True)
+        ):
+            entry.trusted = True
         else:
-            self._programs[model] = False
+            programs[shape] = False
         return expected
 
-    def _trace(self, model, segments, token: int, pos: int):
-        tracer = _Tracer(self.backend, token, pos)
+    def _cache_lists(self, blocks):
+        """Typed lists of the segments' K and V blocks, made once per set of caches."""
+        key = tuple(id(k) for k, _ in blocks)
+        hit = self._lists.get(key)
+        if hit is not None and all(a is k for a, (k, _) in zip(hit[0], blocks, strict=True)):
+            return hit[1], hit[2]
+        k_list, v_list = List(), List()
+        for k, v in blocks:
+            k_list.append(k)
+            v_list.append(v)
+        if len(self._lists) >= 64:
+            self._lists.clear()
+        self._lists[key] = (tuple(k for k, _ in blocks), k_list, v_list)
+        return k_list, v_list
+
+    def _trace(self, model, segments):
+        tracer = _Tracer(self.backend, segments)
         saved = model.backend
         # a wrapper of the backend (LoRA adapters: ``picollama.lora``) wraps the tracer instead
         rebind = getattr(saved, "rebind", None)
@@ -688,10 +978,9 @@ class StepCompiler:
             model.backend = saved
         if (
             not isinstance(out, list)
-            or len(out) != 1
-            or not isinstance(out[0], _Sym)
+            or len(out) != len(segments)
+            or not all(isinstance(o, _Sym) for o in out)
             or tracer.embedding is None
-            or tracer.cache is not segments[0].cache
         ):
             return False
-        return _Program(tracer, out[0])
+        return _Program(tracer, out)
