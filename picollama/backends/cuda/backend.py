@@ -77,6 +77,7 @@ log = logging.getLogger("picollama.cuda")
 MV_MAX_TOKENS = 8  # rows of x that take the fused matrix-vector kernel (quant.cu)
 _MV_WARPS = 8  # warps per block of the matvec kernel (quant.cu)
 _MVQ_WIDE_K = 8192  # one token, x at least this wide: matvec_q8_n1_wide (mmvq.cu)
+_MVQ_ROPE_PAIRS = 128  # matvec_q8_n1_rope: rotated pairs per head at most (mmvq.cu, s_cs)
 _MV_PAD = 36  # floats of shared memory per chunk of 32 values of x (quant.cu)
 _MV_SMEM_LIMIT = 200 << 10  # bytes of x in shared memory; more rows go through cuBLAS
 WORKSPACE_FLOATS = 1 << 26  # 256 MiB of float32 for the prefill tiles of dequantized weight
@@ -1162,6 +1163,8 @@ class CUDABackend(Backend):
             if m_q != int(n_heads) * hd or m_k != n_kv_i * hd or int(kdim) != m_k:
                 continue
             if int(vdim) != m_v or m_v % n_kv_i or (m_v // n_kv_i) % 2 or hd % 2:
+                continue
+            if int(n_rot) > 2 * _MVQ_ROPE_PAIRS:  # the kernel's table of angles
                 continue
             # the cache is written at the matvec now: nothing in between may read or write it
             if any(ops[i].key[0] in ("store_kv", "attention") for i in range(j + 1, s_)):

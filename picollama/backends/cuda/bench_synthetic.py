@@ -171,12 +171,20 @@ def _run_one(
     arithmetic: str,
     profile: bool = False,
     dependent_launch: bool = True,
+    defines: tuple[str, ...] = (),
 ) -> dict:
-    """Load one model on the CUDA backend and time pp/tg (runs in its own process)."""
+    """Load one model on the CUDA backend and time pp/tg (runs in its own process). Each of
+    ``defines`` ("NAME=VALUE") is prepended to every kernel source as a ``#define``."""
+    from picollama.backends.cuda import layout
     from picollama.backends.cuda.backend import CUDABackend
     from picollama.generation import Context
     from picollama.tools.bench import _run_pp, _run_tg
 
+    if defines:
+        head = "".join("#define {} {}\n".format(*d.split("=", 1)) for d in defines)
+        ops, quant = layout.ops_source, layout.quant_source
+        layout.ops_source = lambda: head + ops()
+        layout.quant_source = lambda qtype: head + quant(qtype)
     t0 = time.perf_counter()
     backend = CUDABackend(graphs=graphs, arithmetic=arithmetic, dependent_launch=dependent_launch)
     ctx = Context(path, n_ctx=max(n_prompt, n_gen), n_batch=n_prompt, backend=backend)
@@ -434,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
         "--no-dependent-launch", action="store_true", help="graphs without programmatic launches"
     )
     p.add_argument("--profile", action="store_true", help="time each kernel of a decode step")
+    p.add_argument(
+        "--define",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="build the kernels with this macro (repeatable), e.g. PDL_TRIGGER=0",
+    )
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one model, in-process
     p.add_argument("--kernels", action="store_true", help="time single matvecs and exit")
     p.add_argument("--sweep", action="store_true", help="time int8 matvec build variants")
@@ -461,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             args.arithmetic,
             args.profile,
             not args.no_dependent_launch,
+            tuple(args.define),
         )
         print("RESULT " + json.dumps(res))
         return 0
@@ -480,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd.append("--no-graphs")
         cmd += ["--arithmetic", args.arithmetic] + (["--profile"] if args.profile else [])
         cmd += ["--no-dependent-launch"] if args.no_dependent_launch else []
+        for d in args.define:
+            cmd += ["--define", d]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:

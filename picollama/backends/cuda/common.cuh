@@ -108,3 +108,16 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+
+// Where the kernels trigger their dependents: 0 at entry, before their own wait (run 8; then
+// each waiting kernel lets the next one in too, so the blocks of several later kernels sit
+// in the SMs while one runs), 1 right after their wait (at most the next kernel waits beside
+// the running one), 2 when their main work is done (the next kernel's launch overlaps only
+// the tail). Each kernel calls pdl_trigger_at(0), (1) and (2) at those points.
+#ifndef PDL_TRIGGER
+#define PDL_TRIGGER 1
+#endif
+
+__device__ __forceinline__ void pdl_trigger_at(int where) {
+    if (where == PDL_TRIGGER) pdl_trigger();
+}

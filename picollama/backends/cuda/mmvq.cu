@@ -69,6 +69,15 @@
 #ifndef MVQ_MIN_BLOCKS
 #define MVQ_MIN_BLOCKS 2  // blocks per multiprocessor the one-token kernels are built for
 #endif
+// Before x is quantized (and, with dependent launches, before the kernel before has
+// finished), a warp issues the loads of its first row pair's first iteration into registers
+// (MVQ_PRELOAD) and prefetches up to MVQ_PREFETCH bytes of its first rows into L2.
+#ifndef MVQ_PRELOAD
+#define MVQ_PRELOAD 1
+#endif
+#ifndef MVQ_PREFETCH
+#define MVQ_PREFETCH 0
+#endif
 
 // one token's quantized x in shared memory
 struct XQ {
@@ -405,38 +414,74 @@ struct QD {
 static_assert(Q::BLOCK / QD::CPB == 16 || Q::BLOCK / QD::CPB == 32 || Q::BLOCK / QD::CPB == 64,
               "a chunk is 16, 32 or 64 weights");
 
-// acc_a[t] += row a . x_t and, with `two`, acc_b[t] += row b . x_t over the cpr chunks of
-// the rows (this lane's share: chunks lane + 32 i). Both rows' loads are issued before
-// either is used, so that a warp has 2 * QD::UNROLL chunks per lane in flight.
-template <int NT>
-__device__ __forceinline__ void row_dot2(const Fields& fa, i64 ba, const Fields& fb, i64 bb,
-                                         bool two, int cpr, int lane, XQ x0, int k, int n,
-                                         float* acc_a, float* acc_b) {
-    int nb32 = k >> 5;
-    for (int c0 = lane; c0 < cpr; c0 += 32 * QD::UNROLL) {
-        QD::Raw ra[QD::UNROLL], rb[QD::UNROLL];
+// One iteration of a row pair: the loads of chunks c0 + 32 u (u < UNROLL) of rows a and b
+// (b only with `two`), and their dots with the n rows of x.
+__device__ __forceinline__ void load_iter(const Fields& fa, i64 ba, const Fields& fb, i64 bb,
+                                          bool two, int cpr, int c0, QD::Raw* ra, QD::Raw* rb) {
 #pragma unroll
-        for (int u = 0; u < QD::UNROLL; u++) {
-            int c = c0 + 32 * u;
-            if (c < cpr) {
-                ra[u] = QD::load(fa, ba + c / QD::CPB, c % QD::CPB);
-                if (two) rb[u] = QD::load(fb, bb + c / QD::CPB, c % QD::CPB);
-            }
+    for (int u = 0; u < QD::UNROLL; u++) {
+        int c = c0 + 32 * u;
+        if (c < cpr) {
+            ra[u] = QD::load(fa, ba + c / QD::CPB, c % QD::CPB);
+            if (two) rb[u] = QD::load(fb, bb + c / QD::CPB, c % QD::CPB);
         }
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void dot_iter(const QD::Raw* ra, const QD::Raw* rb, bool two, int cpr,
+                                         int c0, XQ x0, int k, int n, float* acc_a,
+                                         float* acc_b) {
+    int nb32 = k >> 5;
 #pragma unroll
-        for (int u = 0; u < QD::UNROLL; u++) {
-            int c = c0 + 32 * u;
-            if (c < cpr) {
+    for (int u = 0; u < QD::UNROLL; u++) {
+        int c = c0 + 32 * u;
+        if (c < cpr) {
 #pragma unroll
-                for (int t = 0; t < NT; t++) {
-                    if (t < n) {
-                        XQ xt = {x0.q + t * k, x0.d + t * nb32, x0.s + 2 * t * nb32};
-                        acc_a[t] += QD::dot(ra[u], c, xt);
-                        if (two) acc_b[t] += QD::dot(rb[u], c, xt);
-                    }
+            for (int t = 0; t < NT; t++) {
+                if (t < n) {
+                    XQ xt = {x0.q + t * k, x0.d + t * nb32, x0.s + 2 * t * nb32};
+                    acc_a[t] += QD::dot(ra[u], c, xt);
+                    if (two) acc_b[t] += QD::dot(rb[u], c, xt);
                 }
             }
         }
+    }
+}
+
+// acc_a[t] += row a . x_t and, with `two`, acc_b[t] += row b . x_t over the cpr chunks of
+// the rows (this lane's share: chunks lane + 32 i). Both rows' loads are issued before
+// either is used, so that a warp has 2 * QD::UNROLL chunks per lane in flight. With PRE the
+// first iteration's chunks are already in pa, pb (load_iter at c0 = lane).
+template <int NT, bool PRE>
+__device__ __forceinline__ void row_dot2(const Fields& fa, i64 ba, const Fields& fb, i64 bb,
+                                         bool two, int cpr, int lane, XQ x0, int k, int n,
+                                         float* acc_a, float* acc_b, const QD::Raw* pa,
+                                         const QD::Raw* pb) {
+    int c0 = lane;
+    if constexpr (PRE) {
+        dot_iter<NT>(pa, pb, two, cpr, c0, x0, k, n, acc_a, acc_b);
+        c0 += 32 * QD::UNROLL;
+    }
+    for (; c0 < cpr; c0 += 32 * QD::UNROLL) {
+        QD::Raw ra[QD::UNROLL], rb[QD::UNROLL];
+        load_iter(fa, ba, fb, bb, two, cpr, c0, ra, rb);
+        dot_iter<NT>(ra, rb, two, cpr, c0, x0, k, n, acc_a, acc_b);
+    }
+}
+
+// L2 prefetch of blocks b .. b + nb - 1 of every field of a weight (a prefetch per 128-byte
+// line, the lanes taking every 32nd line)
+__device__ __forceinline__ void prefetch_blocks(const Fields& f, i64 b, int nb, int lane) {
+    const u8* p[4] = {f.p0, f.p1, f.p2, f.p3};
+    const int sz[4] = {Q::SZ0, Q::SZ1, Q::SZ2, Q::SZ3};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (sz[i] == 0) continue;
+        const u8* lo = p[i] + b * sz[i];
+        const u8* hi = lo + (i64)nb * sz[i];
+        const u8* line = (const u8*)((unsigned long long)lo & ~127ull) + 128 * lane;
+        for (; line < hi; line += 128 * 32) prefetch_l2(line);
     }
 }
 
@@ -494,6 +539,19 @@ __device__ __forceinline__ bool rope_pair(int p, int hd, int n_rot, int neox, in
     return rot;
 }
 
+template <bool B>
+struct BoolC {
+    static constexpr bool value = B;
+};
+
+// A warp's unit of work: rows a and b (b only with `two`) of the launch's weights, with
+// their dots taken together; for RoPE also the pair's index in its head and whether it turns.
+struct Job {
+    RowRef a, b;
+    bool two, rot;
+    int pair;
+};
+
 template <int NT, int XB, bool ROPE>
 __device__ __forceinline__ void mvq_body(
     const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
@@ -503,26 +561,93 @@ __device__ __forceinline__ void mvq_body(
     extern __shared__ int4 mvq_smem[];
     __shared__ double red[MVQ_WARPS];
     __shared__ float s_scale[NT];
+    __shared__ float2 s_cs[ROPE ? 128 : 1];  // RoPE: (cos, sin) of pair i of a head
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int nb32 = k >> 5;
     int bpr = k / Q::BLOCK, cpr = bpr * QD::CPB;
     int m_rows = act ? m0 : m0 + m1 + m2;
     int row_first = blockIdx.x * MVQ_WARPS + warp;
+    int n_warps = gridDim.x * MVQ_WARPS;
 
-    pdl_trigger();
-    // warm L2 with this warp's first row (the weights are constant: this may run before the
-    // kernel before this one has finished) while x is quantized
-    if (row_first < m_rows && !ROPE) {
-        const u8* wb = row_first < m0 ? w0 : (row_first < m0 + m1 ? w1 : w2);
-        i64 nb = row_first < m0 ? nb0 : (row_first < m0 + m1 ? nb1 : nb2);
-        int r = row_first < m0 ? row_first : (row_first < m0 + m1 ? row_first - m0 : row_first - m0 - m1);
-        Fields f = make_fields(wb, nb);
-        for (int c = lane; c < cpr; c += 32 * QD::UNROLL) {
-            prefetch_l2(QD::code_ptr(f, (i64)r * bpr + c / QD::CPB, c % QD::CPB));
-            if (act) prefetch_l2(QD::code_ptr(make_fields(w1, nb1), (i64)r * bpr + c / QD::CPB, c % QD::CPB));
+    // Jobs: a gate row and its up row (act); a RoPE pair of q, k or v rows (ROPE: m0 / 2
+    // pairs of q, then m1 / 2 of k, then m2 / 2 of v); else rows j and j + n_warps. Warp w
+    // takes jobs w, w + n_warps, ... (of the second kind, w, w + 2 n_warps, ...).
+    const int pq = m0 >> 1, pk = m1 >> 1;
+    const int n_jobs = ROPE ? pq + pk + (m2 >> 1) : m_rows;
+    const int job_step = (ROPE || act) ? n_warps : 2 * n_warps;
+    auto job_at = [&](int j) {
+        Job jb;
+        jb.rot = false;
+        jb.pair = 0;
+        if constexpr (ROPE) {
+            const int slot = j < pq ? 0 : (j < pq + pk ? 1 : 2);
+            const int pp = slot == 0 ? j : (slot == 1 ? j - pq : j - pq - pk);
+            int r_a, r_b;
+            jb.rot = rope_pair(pp, slot == 2 ? ra.head_dim_v : ra.head_dim,
+                               slot == 2 ? 0 : ra.n_rot, ra.neox, &r_a, &r_b);
+            jb.pair = pp;
+            Fields f = make_fields(slot == 0 ? w0 : (slot == 1 ? w1 : w2),
+                                   slot == 0 ? nb0 : (slot == 1 ? nb1 : nb2));
+            float* y = slot == 0 ? y0 : (slot == 1 ? y1 : y2);
+            const int m = slot == 0 ? m0 : (slot == 1 ? m1 : m2);
+            jb.a = RowRef{f, (i64)r_a * bpr, y, r_a, m, slot};
+            jb.b = RowRef{f, (i64)r_b * bpr, y, r_b, m, slot};
+            jb.two = true;
+        } else if (act) {
+            jb.a = RowRef{make_fields(w0, nb0), (i64)j * bpr, y0, j, m0, 0};
+            jb.b = RowRef{make_fields(w1, nb1), (i64)j * bpr, y0, j, m0, 1};
+            jb.two = true;
+        } else {
+            const int j_b = j + n_warps;
+            jb.two = j_b < m_rows;
+            jb.a = locate(j, bpr, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
+            jb.b = locate(jb.two ? j_b : j, bpr, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2,
+                          y2);
+        }
+        return jb;
+    };
+
+    pdl_trigger_at(0);
+    // The weights are constant, so the first job's loads go out now, while x is read and
+    // quantized (and, with dependent launches, while the kernel before still runs): its
+    // first iteration into registers, and up to MVQ_PREFETCH bytes of the warp's first rows
+    // into L2.
+    QD::Raw pa[QD::UNROLL], pb[QD::UNROLL];
+    // (one token only: with NT rows of x the registers would spill)
+    const bool have_first = MVQ_PRELOAD && NT == 1 && row_first < n_jobs;
+    if (have_first) {
+        Job jb = job_at(row_first);
+        load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
+    }
+    if (MVQ_PREFETCH > 0) {
+        constexpr int BLOCK_BYTES = Q::SZ0 + Q::SZ1 + Q::SZ2 + Q::SZ3;
+        int budget = MVQ_PREFETCH / BLOCK_BYTES;  // blocks
+        for (int j = row_first; j < n_jobs && budget > 0; j += job_step) {
+            Job jb = job_at(j);
+            const int na = min(bpr, budget);
+            prefetch_blocks(jb.a.f, jb.a.b0, na, lane);
+            budget -= na;
+            if (jb.two && budget > 0) {
+                const int nb = min(bpr, budget);
+                prefetch_blocks(jb.b.f, jb.b.b0, nb, lane);
+                budget -= nb;
+            }
+        }
+    }
+    if constexpr (ROPE) {
+        // every pair's angle, with rope_head's float32 operations (ops.cu), before the dots:
+        // not on the critical path of each pair's epilogue. The position was copied to the
+        // device before the graph's first kernel, so it may be read before the wait.
+        const float p_f = (float)*ra.pos;
+        for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x) {
+            float theta = p_f;
+            for (int s = 0; s < i; s++) theta = __fmul_rn(theta, ra.theta_scale);
+            float angle = __fmul_rn(ra.freq_scale, theta);
+            s_cs[i] = make_float2((float)cos((double)angle), (float)sin((double)angle));
         }
     }
     pdl_wait();
+    pdl_trigger_at(1);
 
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
@@ -610,94 +735,69 @@ __device__ __forceinline__ void mvq_body(
     __syncthreads();
 
     XQ x0 = {sq, sd, ss};
-    int n_warps = gridDim.x * MVQ_WARPS;
-    if (act) {
-        // gate row r and up row r together
-        for (int r = row_first; r < m0; r += n_warps) {
-            float g[NT], u[NT];
-#pragma unroll
-            for (int t = 0; t < NT; t++) g[t] = u[t] = 0.f;
-            row_dot2<NT>(make_fields(w0, nb0), (i64)r * bpr, make_fields(w1, nb1),
-                         (i64)r * bpr, true, cpr, lane, x0, k, n, g, u);
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t < n) {
-                    float gv = warp_sum(g[t]), uv = warp_sum(u[t]);
-                    if (lane == 0) y0[(i64)t * m0 + r] = act == 1 ? silu_mul1(gv, uv) : gelu_mul1(gv, uv);
-                }
-            }
-        }
-        return;
-    }
-    if (ROPE) {
-        // pairs of rows: m0 / 2 of q, then m1 / 2 of k, then m2 / 2 of v
-        const int pq = m0 >> 1, pk = m1 >> 1, n_pairs = pq + pk + (m2 >> 1);
-        const float p_f = (float)*ra.pos;
-        const int crow = *ra.start;
-        for (int pr = row_first; pr < n_pairs; pr += n_warps) {
-            const int slot = pr < pq ? 0 : (pr < pq + pk ? 1 : 2);
-            const int pp = slot == 0 ? pr : (slot == 1 ? pr - pq : pr - pq - pk);
-            int r_a, r_b;
-            bool rot = rope_pair(pp, slot == 2 ? ra.head_dim_v : ra.head_dim,
-                                 slot == 2 ? 0 : ra.n_rot, ra.neox, &r_a, &r_b);
-            const u8* wb = slot == 0 ? w0 : (slot == 1 ? w1 : w2);
-            Fields f = make_fields(wb, slot == 0 ? nb0 : (slot == 1 ? nb1 : nb2));
-            float acc_a[NT], acc_b[NT];
-#pragma unroll
-            for (int t = 0; t < NT; t++) acc_a[t] = acc_b[t] = 0.f;
-            row_dot2<NT>(f, (i64)r_a * bpr, f, (i64)r_b * bpr, true, cpr, lane, x0, k, 1, acc_a,
-                         acc_b);
-            float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
-            if (lane == 0) {
-                if (rot) {  // rope_head's arithmetic, pair i of the head
-                    const int hd = ra.head_dim, i = pp - (pp / (hd >> 1)) * (hd >> 1);
-                    float theta = p_f;
-                    for (int s = 0; s < i; s++) theta = __fmul_rn(theta, ra.theta_scale);
-                    float angle = __fmul_rn(ra.freq_scale, theta);
-                    float c = (float)cos((double)angle);
-                    float sn = (float)sin((double)angle);
-                    float x0v = o0, x1v = o1;
-                    o0 = __fsub_rn(__fmul_rn(x0v, c), __fmul_rn(x1v, sn));
-                    o1 = __fadd_rn(__fmul_rn(x0v, sn), __fmul_rn(x1v, c));
-                }
-                float* y = slot == 0 ? y0 : (slot == 1 ? y1 : y2);
-                y[r_a] = o0;
-                y[r_b] = o1;
-                if (slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
-                    u16* c = slot == 1 ? ra.kc + (i64)crow * m1 : ra.vc + (i64)crow * m2;
-                    c[r_a] = f2h(o0);
-                    c[r_b] = f2h(o1);
-                }
-            }
-        }
-        return;
-    }
-    // rows row and row + n_warps together
-    for (int row = row_first; row < m_rows; row += 2 * n_warps) {
-        int row_b = row + n_warps;
-        bool two = row_b < m_rows;
-        RowRef a = locate(row, bpr, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
-        RowRef b = locate(two ? row_b : row, bpr, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
+    const int crow = ROPE ? *ra.start : 0;
+    auto run_job = [&](const Job& jb, auto pre) {
         float acc_a[NT], acc_b[NT];
 #pragma unroll
         for (int t = 0; t < NT; t++) acc_a[t] = acc_b[t] = 0.f;
-        row_dot2<NT>(a.f, a.b0, b.f, b.b0, two, cpr, lane, x0, k, n, acc_a, acc_b);
+        row_dot2<NT, decltype(pre)::value>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane,
+                                           x0, k, n, acc_a, acc_b, pa, pb);
+        if constexpr (ROPE) {
+            float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
+            if (lane == 0) {
+                if (jb.rot) {  // rope_head's arithmetic, pair i of the head
+                    const int hd = ra.head_dim, i = jb.pair - (jb.pair / (hd >> 1)) * (hd >> 1);
+                    const float2 cs = s_cs[i];
+                    float x0v = o0, x1v = o1;
+                    o0 = __fsub_rn(__fmul_rn(x0v, cs.x), __fmul_rn(x1v, cs.y));
+                    o1 = __fadd_rn(__fmul_rn(x0v, cs.y), __fmul_rn(x1v, cs.x));
+                }
+                jb.a.y[jb.a.r] = o0;
+                jb.b.y[jb.b.r] = o1;
+                if (jb.a.slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
+                    u16* c = jb.a.slot == 1 ? ra.kc + (i64)crow * m1 : ra.vc + (i64)crow * m2;
+                    c[jb.a.r] = f2h(o0);
+                    c[jb.b.r] = f2h(o1);
+                }
+            }
+        } else if (act) {
 #pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t < n) {
-                float va = warp_sum(acc_a[t]);
-                float vb = warp_sum(acc_b[t]);
-                if (lane == 0) {
-                    i64 at = (i64)t * a.m + a.r;
-                    a.y[at] = (has_resid && a.slot == 0) ? __fadd_rn(resid[at], va) : va;
-                    if (two) {
-                        i64 bt = (i64)t * b.m + b.r;
-                        b.y[bt] = (has_resid && b.slot == 0) ? __fadd_rn(resid[bt], vb) : vb;
+            for (int t = 0; t < NT; t++) {
+                if (t < n) {
+                    float gv = warp_sum(acc_a[t]), uv = warp_sum(acc_b[t]);
+                    if (lane == 0) {
+                        y0[(i64)t * m0 + jb.a.r] = act == 1 ? silu_mul1(gv, uv) : gelu_mul1(gv, uv);
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t < n) {
+                    float va = warp_sum(acc_a[t]);
+                    float vb = warp_sum(acc_b[t]);
+                    if (lane == 0) {
+                        const RowRef& a = jb.a;
+                        const RowRef& b = jb.b;
+                        i64 at = (i64)t * a.m + a.r;
+                        a.y[at] = (has_resid && a.slot == 0) ? __fadd_rn(resid[at], va) : va;
+                        if (jb.two) {
+                            i64 bt = (i64)t * b.m + b.r;
+                            b.y[bt] = (has_resid && b.slot == 0) ? __fadd_rn(resid[bt], vb) : vb;
+                        }
                     }
                 }
             }
         }
+    };
+    // the first job from the registers loaded above (peeled, so that they are dead after it)
+    int j = row_first;
+    if (MVQ_PRELOAD && NT == 1 && have_first) {
+        run_job(job_at(j), BoolC<true>{});
+        j += job_step;
     }
+    for (; j < n_jobs; j += job_step) run_job(job_at(j), BoolC<false>{});
+    pdl_trigger_at(2);
 }
 
 #define MVQ_PARAMS                                                                          \

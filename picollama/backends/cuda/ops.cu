@@ -106,8 +106,9 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
                                       int n_kv_heads, int head_dim, int head_dim_v, int n_rot,
                                       float theta_scale, float freq_scale, int neox,
                                       int n_ctx) {
-    pdl_trigger();
+    pdl_trigger_at(0);
     pdl_wait();
+    pdl_trigger_at(1);
     int t = blockIdx.x, slot = blockIdx.y;
     int row = *start + t;
     float p = (float)pos[t];
@@ -400,31 +401,57 @@ __device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* f)
     }
 }
 
-// One key (scores of the G heads, online softmax update, weighted value) for one warp.
+// Two keys (scores of the GB heads, one online softmax update for both, weighted values)
+// for one warp; the second only with `two`. Heads past G (GB > G) compute on a copy of the
+// last head's query and are never written: no branch splits the shuffle chains of the heads,
+// so that the compiler interleaves them.
 template <int DPL, int GB>
-__device__ __forceinline__ void gqa_key(const float (&qr)[GB][DPL], const float* kf,
-                                        const float* vf, int G, float scale, float softcap,
-                                        float (&m)[GB], float (&l)[GB],
-                                        float (&acc)[GB][DPL]) {
+__device__ __forceinline__ void gqa_key2(const float (&qr)[GB][DPL], const float* k1,
+                                         const float* v1, const float* k2, const float* v2,
+                                         bool two, float scale, float softcap, float (&m)[GB],
+                                         float (&l)[GB], float (&acc)[GB][DPL]) {
+    float s1[GB], s2[GB];
 #pragma unroll
     for (int g = 0; g < GB; g++) {
-        if (g < G) {  // uniform over the block
-            float dot = 0.f;
+        float d1 = 0.f, d2 = 0.f;
 #pragma unroll
-            for (int i = 0; i < DPL; i++) dot = fmaf(qr[g][i], kf[i], dot);
-            float s = warp_sum(dot) * scale;
-            if (softcap > 0.f) s = (float)((double)softcap * tanh((double)(s / softcap)));
-            float m_new = fmaxf(m[g], s);
-            float corr = expf(m[g] - m_new);  // 0 for the first key (m = -inf)
-            float p = expf(s - m_new);
-            l[g] = fmaf(l[g], corr, p);
-#pragma unroll
-            for (int i = 0; i < DPL; i++) acc[g][i] = fmaf(p, vf[i], acc[g][i] * corr);
-            m[g] = m_new;
+        for (int i = 0; i < DPL; i++) {
+            d1 = fmaf(qr[g][i], k1[i], d1);
+            d2 = fmaf(qr[g][i], k2[i], d2);
         }
+        s1[g] = d1;
+        s2[g] = d2;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int g = 0; g < GB; g++) {
+            s1[g] += __shfl_xor_sync(0xffffffffu, s1[g], o);
+            s2[g] += __shfl_xor_sync(0xffffffffu, s2[g], o);
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < GB; g++) {
+        float a = s1[g] * scale, b = s2[g] * scale;
+        if (softcap > 0.f) {
+            a = (float)((double)softcap * tanh((double)(a / softcap)));
+            b = (float)((double)softcap * tanh((double)(b / softcap)));
+        }
+        const float m_new = fmaxf(m[g], two ? fmaxf(a, b) : a);
+        const float corr = expf(m[g] - m_new);  // 0 for the first key (m = -inf)
+        const float p1 = expf(a - m_new);
+        const float p2 = two ? expf(b - m_new) : 0.f;
+        l[g] = fmaf(l[g], corr, p1) + p2;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) {
+            acc[g][i] = fmaf(p2, v2[i], fmaf(p1, v1[i], acc[g][i] * corr));
+        }
+        m[g] = m_new;
     }
 }
 
+// Split partials: out (n_kv, n_splits, G, HD) unnormalized outputs, then (n_kv, n_splits, G)
+// pairs (max, sum), all in `part` (n_kv * n_splits * G * (HD + 2) floats).
 template <int DPL, int GB>
 __device__ __forceinline__ void attention_gqa_body(
     const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
@@ -435,20 +462,13 @@ __device__ __forceinline__ void attention_gqa_body(
     __shared__ float sm[ATD_WARPS][GB], sl[ATD_WARPS][GB];
     __shared__ float sacc[ATD_WARPS][GB][HD];
     __shared__ int s_last;
-    pdl_trigger();
+    pdl_trigger_at(0);
     pdl_wait();
+    pdl_trigger_at(1);
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
-    const int pos = *start_ptr;
-    const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-    const int len = pos + 1 - lo;
-    // only as many splits as the range needs (min_keys each): short ranges skip the merge
-    const int n_splits = max(1, min((int)gridDim.y, len / min_keys));
-    if (split >= n_splits) return;
-    const int s0 = lo + (int)((i64)len * split / n_splits);
-    const int s1 = lo + (int)((i64)len * (split + 1) / n_splits);
-
+    // the queries' loads go out with the position's (they don't depend on it)
     float qr[GB][DPL], acc[GB][DPL], m[GB], l[GB];
 #pragma unroll
     for (int g = 0; g < GB; g++) {
@@ -461,21 +481,41 @@ __device__ __forceinline__ void attention_gqa_body(
             acc[g][i] = 0.f;
         }
     }
+    const int pos = *start_ptr;
+    const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    const int len = pos + 1 - lo;
+#ifdef ATD_MIN_KEYS
+    min_keys = ATD_MIN_KEYS;  // a build variant (bench_synthetic --define) overrides the host's
+#endif
+    // only as many splits as the range needs (min_keys each): short ranges skip the merge
+    const int n_splits = max(1, min((int)gridDim.y, len / min_keys));
+    if (split >= n_splits) return;
+    const int s0 = lo + (int)((i64)len * split / n_splits);
+    const int s1 = lo + (int)((i64)len * (split + 1) / n_splits);
+
     const i64 stride = (i64)n_kv_heads * HD;
     const u16* kb = kc + (i64)kvh * HD + lane * DPL;
     const u16* vb = vc + (i64)kvh * HD + lane * DPL;
-    for (int j = s0 + warp; j < s1; j += 2 * ATD_WARPS) {
-        // the second key of the pair reads a row in range when it is past the end
-        const int j2 = j + ATD_WARPS;
-        const int j2r = min(j2, s1 - 1);
-        float k1[DPL], v1[DPL], k2[DPL], v2[DPL];
-        load_halves<DPL>(kb + j * stride, k1);
-        load_halves<DPL>(vb + j * stride, v1);
-        load_halves<DPL>(kb + j2r * stride, k2);
-        load_halves<DPL>(vb + j2r * stride, v2);
-        gqa_key<DPL, GB>(qr, k1, v1, G, scale, softcap, m, l, acc);
-        if (j2 < s1) gqa_key<DPL, GB>(qr, k2, v2, G, scale, softcap, m, l, acc);
+    // KPI keys per warp at a time (their rows' loads in flight together), in pairs; keys past
+    // the end read the last row in range and count for nothing
+    constexpr int KPI = DPL * GB <= 16 ? 4 : 2;
+    for (int j = s0 + warp; j < s1; j += KPI * ATD_WARPS) {
+        float kf[KPI][DPL], vf[KPI][DPL];
+#pragma unroll
+        for (int u = 0; u < KPI; u++) {
+            const int jr = min(j + u * ATD_WARPS, s1 - 1);
+            load_halves<DPL>(kb + jr * stride, kf[u]);
+            load_halves<DPL>(vb + jr * stride, vf[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < KPI; u += 2) {
+            if (j + u * ATD_WARPS < s1) {
+                gqa_key2<DPL, GB>(qr, kf[u], vf[u], kf[u + 1], vf[u + 1],
+                                  j + (u + 1) * ATD_WARPS < s1, scale, softcap, m, l, acc);
+            }
+        }
     }
+    pdl_trigger_at(2);
 
     // merge the warps' states
 #pragma unroll
@@ -488,6 +528,7 @@ __device__ __forceinline__ void attention_gqa_body(
         for (int i = 0; i < DPL; i++) sacc[warp][g][lane * DPL + i] = acc[g][i];
     }
     __syncthreads();
+    float* part_ml = part + (i64)gridDim.x * n_splits * G * HD;
     for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
         const int g = e / HD, d = e % HD;
         float mx = NEG_INF;
@@ -503,11 +544,11 @@ __device__ __forceinline__ void attention_gqa_body(
         if (n_splits == 1) {
             out[(i64)(kvh * G + g) * HD + d] = o / total;
         } else {
-            float* pp = part + ((i64)(kvh * n_splits + split) * G + g) * (HD + 2);
-            pp[2 + d] = o;  // 0 for a split without keys
+            const i64 row = (i64)(kvh * n_splits + split) * G + g;
+            part[row * HD + d] = o;
             if (d == 0) {
-                pp[0] = mx;
-                pp[1] = total;
+                part_ml[2 * row] = mx;
+                part_ml[2 * row + 1] = total;
             }
         }
     }
@@ -520,48 +561,49 @@ __device__ __forceinline__ void attention_gqa_body(
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    // two passes: a warp per head takes the splits' max and sum across its lanes (at most
-    // 64 splits: two per lane) and leaves each split's weight exp(max_s - max) in shared
-    // memory; then every thread sums its output value of all splits, loads issued 8 at a time
-    __shared__ float s_w[GB][64];
-    __shared__ float s_total[GB];
-    const i64 sstride = (i64)G * (HD + 2);
-    for (int g = warp; g < G; g += ATD_WARPS) {
-        const float* pg = part + ((i64)kvh * n_splits * G + g) * (HD + 2);
-        float ms[2], ls[2];
+    // Each thread takes 4 dims of a head and loads, 16 splits at a time, their maxima, sums
+    // and outputs at once (one round trip for up to 16 splits), merging batches online.
+    const int hd4 = HD / 4;
+    for (int e = threadIdx.x; e < G * hd4; e += blockDim.x) {
+        const int g = e / hd4, d4 = e - g * hd4;
+        float mx = NEG_INF, total = 0.f;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int sb = 0; sb < n_splits; sb += 16) {
+            float ms[16], ls[16];
+            float4 os[16];
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int sp = lane + 32 * u;
-            ms[u] = sp < n_splits ? __ldcg(pg + sp * sstride) : NEG_INF;  // finite: keys >= 1
-            ls[u] = sp < n_splits ? __ldcg(pg + sp * sstride + 1) : 0.f;
-        }
-        const float mx = warp_max(fmaxf(ms[0], ms[1]));
-        float total = 0.f;
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int sp = lane + 32 * u;
-            const float w = sp < n_splits ? expf(ms[u] - mx) : 0.f;
-            if (sp < n_splits) s_w[g][sp] = w;
-            total = fmaf(ls[u], w, total);
-        }
-        total = warp_sum(total);
-        if (lane == 0) s_total[g] = total;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
-        const int g = e / HD, d = e % HD;
-        const float* pg = part + ((i64)kvh * n_splits * G + g) * (HD + 2) + 2 + d;
-        float o = 0.f;
-        for (int sb = 0; sb < n_splits; sb += 8) {
-            float os[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) os[u] = __ldcg(pg + min(sb + u, n_splits - 1) * sstride);
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                if (sb + u < n_splits) o = fmaf(os[u], s_w[g][sb + u], o);
+            for (int u = 0; u < 16; u++) {
+                const i64 row = (i64)(kvh * n_splits + min(sb + u, n_splits - 1)) * G + g;
+                ms[u] = __ldcg(part_ml + 2 * row);  // finite: every split has keys
+                ls[u] = __ldcg(part_ml + 2 * row + 1);
+                os[u] = __ldcg((const float4*)(part + row * HD) + d4);
             }
+            float mb = mx;
+#pragma unroll
+            for (int u = 0; u < 16; u++) {
+                if (sb + u < n_splits) mb = fmaxf(mb, ms[u]);
+            }
+            const float corr = expf(mx - mb);  // 0 for the first batch (mx = -inf)
+            total *= corr;
+            o.x *= corr;
+            o.y *= corr;
+            o.z *= corr;
+            o.w *= corr;
+#pragma unroll
+            for (int u = 0; u < 16; u++) {
+                if (sb + u < n_splits) {
+                    const float w = expf(ms[u] - mb);
+                    total = fmaf(ls[u], w, total);
+                    o.x = fmaf(os[u].x, w, o.x);
+                    o.y = fmaf(os[u].y, w, o.y);
+                    o.z = fmaf(os[u].z, w, o.z);
+                    o.w = fmaf(os[u].w, w, o.w);
+                }
+            }
+            mx = mb;
         }
-        out[(i64)(kvh * G + g) * HD + d] = o / s_total[g];
+        float4 r = make_float4(o.x / total, o.y / total, o.z / total, o.w / total);
+        *((float4*)(out + (i64)(kvh * G + g) * HD) + d4) = r;
     }
     if (threadIdx.x == 0) counter[kvh] = 0;  // ready for the next launch (graph replays)
 }
