@@ -95,7 +95,7 @@ class Untraceable(Exception):
 # ---- the interpreter ----
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, nogil=True)
 def _quantize_any(qt, x):
     """x (1, k) in the dot type of weight type ``qt``: ``(xq, xd, xs, bsums)``."""
     if qt == _Q4_0:
@@ -113,7 +113,7 @@ def _quantize_any(qt, x):
     return simd_quantize(_Q8_0, x)
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, nogil=True)
 def _rows_any(qt, w, xq, xd, xs, bsums, out, lo, hi):
     """Outputs ``lo..hi`` of ``x @ W.T`` for weights of type ``qt``."""
     if qt == _Q4_0:
@@ -132,7 +132,7 @@ def _rows_any(qt, w, xq, xd, xs, bsums, out, lo, hi):
         simd_rows(_Q8_0, w, xq, xd, xs, bsums, out, lo, hi)
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, nogil=True)
 def _convert_any(qt, x):
     """x (n, k) in the dot type of float weight type ``qt``, as float32."""
     if qt == _F16:
@@ -142,7 +142,7 @@ def _convert_any(qt, x):
     return float_convert(_F32, x)
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, nogil=True)
 def _float_rows_any(qt, xf, w, w32, out, lo, hi):
     """Outputs ``lo..hi`` of ``x @ W.T`` for float weights of type ``qt``."""
     k = xf.shape[1]
@@ -154,7 +154,7 @@ def _float_rows_any(qt, xf, w, w32, out, lo, hi):
         float_rows(_F32, xf, w, w32, out, k, lo, hi)
 
 
-@nb.njit(cache=True, parallel=True)
+@nb.njit(cache=True, nogil=True, parallel=True)
 def _matmuls(arena, src, n, k, ws, ws32, wtypes, ins, n_tasks):
     """Up to three products of one activation (n, k) (``ins``: rows of (wid, dst, m), wid
     -1 for none): one conversion of x and one parallel region when the weights share a
@@ -209,7 +209,7 @@ def _matmuls(arena, src, n, k, ws, ws32, wtypes, ins, n_tasks):
             _rows_any(qj, w, xq, xd, xs, bsums, out, t * m // n_tasks, (t + 1) * m // n_tasks)
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, nogil=True)
 def _run(
     code,
     fargs,
@@ -346,7 +346,7 @@ def _run(
             _lora_terms(code, fargs, i, c[8], ws, wtypes, arena)
 
 
-@nb.njit(cache=True, parallel=True)
+@nb.njit(cache=True, nogil=True, parallel=True)
 def _lora_terms(code, fargs, first, n, ws, wtypes, arena):
     """LoRA terms of one input (Q, K and V; gate and up), program rows ``first ..``, a task
     each: the adapter's bytes stream through every core, not one. Each term is the same
