@@ -317,9 +317,11 @@ def _run(
                     kc[j] = f32_to_f16_bits(arena[c[1] + t * nk + j])
                 for j in range(nv):
                     vc[j] = f32_to_f16_bits(arena[c[2] + t * nv + j])
-        elif op == _OP_ATTENTION:
-            # [op, q, dst, layer, n_heads, head_dim, window, head_dim_v, segment, rows];
-            # fargs: scale, softcap
+        elif op == _OP_ATTENTION and c[10] > 1:
+            _attention_group(code, fargs, i, c[10], arena, k_caches, v_caches, starts)
+        elif op == _OP_ATTENTION and c[10] == 1:
+            # [op, q, dst, layer, n_heads, head_dim, window, head_dim_v, segment, rows,
+            # group]; fargs: scale, softcap
             nh, hd, hdv, seg, n = c[4], c[5], c[7], c[8], c[9]
             q = arena[c[1] : c[1] + n * nh * hd].reshape(n, nh, hd)
             out = arena[c[2] : c[2] + n * nh * hdv].reshape(n, nh * hdv)
@@ -360,6 +362,37 @@ def _lora_terms(code, fargs, first, n, ws, wtypes, arena):
         out = arena[c[6] : c[6] + m]
         s = np.float32(fargs[first + j, 0])
         _row(x, ws[c[3]], wtypes[c[3]], ws[c[4]], wtypes[c[4]], s, y, out, t)
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _attention_group(code, fargs, first, n, arena, k_caches, v_caches, starts):
+    """Attention rows ``first ..`` of one layer, each another segment's, in one parallel
+    region: a task per (segment, row, head), each ``attention.one_chunk`` as the op-by-op
+    pass runs it (its rows are below ``FA_TILE_Q``), so the results are the same."""
+    ends = np.empty(n + 1, np.int64)  # ends[g]: the first job of row first + g
+    ends[0] = 0
+    for g in range(n):
+        c = code[first + g]
+        ends[g + 1] = ends[g] + c[9] * c[4]
+    for job in prange(ends[n]):
+        g = 0
+        while ends[g + 1] <= job:
+            g += 1
+        c = code[first + g]
+        nh, hd, hdv, seg, rows = c[4], c[5], c[7], c[8], c[9]
+        q = arena[c[1] : c[1] + rows * nh * hd].reshape(rows, nh, hd)
+        out = arena[c[2] : c[2] + rows * nh * hdv].reshape(rows, nh * hdv)
+        kc = k_caches[seg][c[3]]
+        vc = v_caches[seg][c[3]]
+        scale = np.float32(fargs[first + g, 0])
+        softcap = np.float32(fargs[first + g, 1])
+        if softcap > 0:
+            scale = np.float32(scale / softcap)  # as ``attention._driver``
+        local = job - ends[g]
+        group = nh // kc.shape[1]
+        _attn.one_chunk(
+            q, kc, vc, starts[seg], scale, c[6], softcap, out, local // nh, local % nh, group
+        )
 
 
 # ---- tracing ----
@@ -666,7 +699,7 @@ class _Tracer:
         n, n_heads = q.shape[0], q.shape[1]
         out = self._new((n, n_heads * cache.head_dim_v))
         ints = [q.offset, out.offset, int(layer), n_heads, cache.head_dim_k, int(window)]
-        ints += [cache.head_dim_v, seg, n]
+        ints += [cache.head_dim_v, seg, n, 1]
         self._emit(_OP_ATTENTION, ints, (float(scale), float(softcap)))
         return out
 
@@ -698,13 +731,55 @@ def _group_lora_terms(code: np.ndarray, fargs: np.ndarray) -> None:
         i = j
 
 
+def _group_attention(code: np.ndarray, fargs: np.ndarray) -> None:
+    """Runs of (store_kv, attention) pairs of one layer on distinct segments (the server's
+    batch: ``Batch.attend`` goes segment by segment) become every store first, then the
+    attentions as one group (its first row gets the group's size, the others 0): each
+    attention reads only its own segment's cache, written by its own store, still before
+    it. Attention rows outside a group get 1."""
+    code[code[:, 0] == _OP_ATTENTION, 10] = 1
+    i, n = 0, len(code)
+    while i < n:
+        j, segs = i, set()
+        while (
+            j + 1 < n
+            and code[j, 0] == _OP_STORE_KV
+            and code[j + 1, 0] == _OP_ATTENTION
+            and code[j, 6] == code[j + 1, 8]
+            and code[j, 3] == code[j + 1, 3] == code[i, 3]
+            and int(code[j, 6]) not in segs
+            and code[j + 1, 9] < _attn.FA_TILE_Q
+        ):
+            segs.add(int(code[j, 6]))
+            j += 2
+        k = (j - i) // 2
+        if k < 2:
+            i = max(j, i + 1)
+            continue
+        order = list(range(i, j, 2)) + list(range(i + 1, j, 2))
+        code[i:j], fargs[i:j] = code[order], fargs[order]
+        code[i + k, 10] = k
+        code[i + k + 1 : j, 10] = 0
+        i = j
+
+
+def _run_length(row) -> int:
+    """How many program rows, from this one, run at once (a LoRA run, an attention group)."""
+    if row[0] == _OP_LORA:
+        return int(row[8])
+    if row[0] == _OP_ATTENTION:
+        return int(row[10])
+    return 1
+
+
 def _pack_arena(code: np.ndarray, regions: list[tuple[int, int]], pinned: set[int]) -> int:
     """Give dead buffers' room to later ones: each region of the traced arena gets a new
-    offset, first fit among the places free from its first to its last use (rows of one
-    LoRA run count as one use, since they run at once), and the offsets in ``code`` are
-    rewritten. Regions holding an offset in ``pinned`` (the embedding, the outputs) stay
-    live from start to end. A region is never given the room of one that dies in the op
-    that writes it, so no op reads and writes the same memory. Returns the arena's size."""
+    offset, first fit among the places free from its first to its last use (the rows of
+    a LoRA run or an attention group count as one use: they run at once), and the offsets
+    in ``code`` are rewritten. Regions holding an offset in ``pinned`` (the embedding, the
+    outputs) stay live from start to end. A region is never given the room of one that
+    dies in the op that writes it, so no op reads and writes the same memory. Returns the
+    arena's size."""
     starts = np.array([r[0] for r in regions], np.int64)
 
     def region_of(offset: int) -> int:
@@ -718,8 +793,7 @@ def _pack_arena(code: np.ndarray, regions: list[tuple[int, int]], pinned: set[in
             run_left -= 1
         else:
             time = i
-            if row[0] == _OP_LORA and row[8] > 1:
-                run_left = int(row[8]) - 1
+            run_left = max(_run_length(row), 1) - 1
         for a in _ARENA_ARGS[int(row[0])]:
             if row[a] < 0:
                 continue
@@ -785,6 +859,7 @@ class _Program:
             self.code[i, : len(ints)] = ints
             self.fargs[i, : len(floats)] = floats
         _group_lora_terms(self.code, self.fargs)
+        _group_attention(self.code, self.fargs)
         self.embedding, embd_offset = tracer.embedding
         # the outputs and the embedding keep their own room; record them as rows of the
         # program so that packing relocates them with everything else
@@ -908,7 +983,7 @@ class StepCompiler:
         if shape is None:
             return model.forward_batch(segments)
         blocks = [_cache_blocks(s.cache) for s in segments]
-        if any(b is None for b in blocks):
+        if any(b is None for b in blocks) or len({id(b[0]) for b in blocks}) != len(blocks):
             return model.forward_batch(segments)
         programs = self._programs.setdefault(model, {})
         entry = programs.get(shape, 0)
