@@ -396,7 +396,7 @@ def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
             args = (
                 q, cache.k[0], cache.v[0], start, np.int32(n_heads), np.int32(n_kv),
                 np.float32(hd**-0.5), np.int32(0), np.float32(0.0), np.int32(min_keys), res,
-                part, counter,
+                part, counter, np.int32(be._pdl_at(n_kv * splits)),
             )  # fmt: skip
             kernel = be._gqa_kernel(n_heads, cache)
             launches = [_Launch(kernel, (n_kv, splits), (128,), args)]

@@ -109,15 +109,18 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// Where the kernels trigger their dependents: 0 at entry, before their own wait (run 8; then
+// Where a kernel lets its dependents launch: 0 at entry, before its own wait (run 8; then
 // each waiting kernel lets the next one in too, so the blocks of several later kernels sit
-// in the SMs while one runs), 1 right after their wait (at most the next kernel waits beside
-// the running one), 2 when their main work is done (the next kernel's launch overlaps only
-// the tail). Each kernel calls pdl_trigger_at(0), (1) and (2) at those points.
+// in the SMs while one runs), 1 right after its wait (at most the next kernel waits beside
+// the running one), 2 when its main work is done (the next launch overlaps only the tail).
+// Each kernel calls pdl_trigger_at(0 / 1 / 2, chosen) at those points; `chosen` is the
+// launch's (the backend: 1 for grids of at most half the SMs, whose dependents find idle
+// SMs to wait on, else 2; run 10 measured both ways). Building with PDL_TRIGGER defined
+// (bench_synthetic --define) forces one place on every launch.
 #ifndef PDL_TRIGGER
-#define PDL_TRIGGER 1
+#define PDL_TRIGGER -1
 #endif
 
-__device__ __forceinline__ void pdl_trigger_at(int where) {
-    if (where == PDL_TRIGGER) pdl_trigger();
+__device__ __forceinline__ void pdl_trigger_at(int where, int chosen) {
+    if (where == (PDL_TRIGGER >= 0 ? PDL_TRIGGER : chosen)) pdl_trigger();
 }

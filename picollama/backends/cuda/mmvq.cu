@@ -70,13 +70,9 @@
 #define MVQ_MIN_BLOCKS 2  // blocks per multiprocessor the one-token kernels are built for
 #endif
 // Before x is quantized (and, with dependent launches, before the kernel before has
-// finished), a warp issues the loads of its first row pair's first iteration into registers
-// (MVQ_PRELOAD) and prefetches up to MVQ_PREFETCH bytes of its first rows into L2.
+// finished), a warp issues the loads of its first row pair's first iteration into registers.
 #ifndef MVQ_PRELOAD
 #define MVQ_PRELOAD 1
-#endif
-#ifndef MVQ_PREFETCH
-#define MVQ_PREFETCH 0
 #endif
 
 // one token's quantized x in shared memory
@@ -90,10 +86,6 @@ struct XQ {
 __device__ __forceinline__ u32 spread4_bit4(u32 b) { return ((b * 0x00204081u) & 0x01010101u) << 4; }
 
 __device__ __forceinline__ int4 ld_x16(const signed char* p) { return *(const int4*)p; }
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
 
 #if defined(QTYPE_Q8_0)
 struct QD {  // d, qs[32]: a chunk is half a block (16 codes)
@@ -470,21 +462,6 @@ __device__ __forceinline__ void row_dot2(const Fields& fa, i64 ba, const Fields&
     }
 }
 
-// L2 prefetch of blocks b .. b + nb - 1 of every field of a weight (a prefetch per 128-byte
-// line, the lanes taking every 32nd line)
-__device__ __forceinline__ void prefetch_blocks(const Fields& f, i64 b, int nb, int lane) {
-    const u8* p[4] = {f.p0, f.p1, f.p2, f.p3};
-    const int sz[4] = {Q::SZ0, Q::SZ1, Q::SZ2, Q::SZ3};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        if (sz[i] == 0) continue;
-        const u8* lo = p[i] + b * sz[i];
-        const u8* hi = lo + (i64)nb * sz[i];
-        const u8* line = (const u8*)((unsigned long long)lo & ~127ull) + 128 * lane;
-        for (; line < hi; line += 128 * 32) prefetch_l2(line);
-    }
-}
-
 // which weight row `row` of the launch is: its fields, first block, output and row count
 struct RowRef {
     Fields f;
@@ -557,7 +534,7 @@ __device__ __forceinline__ void mvq_body(
     const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
     int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
     const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
-    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra) {
+    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at) {
     extern __shared__ int4 mvq_smem[];
     __shared__ double red[MVQ_WARPS];
     __shared__ float s_scale[NT];
@@ -607,32 +584,17 @@ __device__ __forceinline__ void mvq_body(
         return jb;
     };
 
-    pdl_trigger_at(0);
-    // The weights are constant, so the first job's loads go out now, while x is read and
-    // quantized (and, with dependent launches, while the kernel before still runs): its
-    // first iteration into registers, and up to MVQ_PREFETCH bytes of the warp's first rows
-    // into L2.
+    pdl_trigger_at(0, pdl_at);
+    // The weights are constant, so the first job's first iteration of loads goes out now,
+    // into registers, while x is read and quantized (and, with dependent launches, while the
+    // kernel before still runs). (An L2 prefetch of the warp's first rows besides, 2 or 8 KB
+    // a warp, made both the 135M and the 8B shapes 4-6% slower: run 10.)
     QD::Raw pa[QD::UNROLL], pb[QD::UNROLL];
     // (one token only: with NT rows of x the registers would spill)
     const bool have_first = MVQ_PRELOAD && NT == 1 && row_first < n_jobs;
     if (have_first) {
         Job jb = job_at(row_first);
         load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
-    }
-    if (MVQ_PREFETCH > 0) {
-        constexpr int BLOCK_BYTES = Q::SZ0 + Q::SZ1 + Q::SZ2 + Q::SZ3;
-        int budget = MVQ_PREFETCH / BLOCK_BYTES;  // blocks
-        for (int j = row_first; j < n_jobs && budget > 0; j += job_step) {
-            Job jb = job_at(j);
-            const int na = min(bpr, budget);
-            prefetch_blocks(jb.a.f, jb.a.b0, na, lane);
-            budget -= na;
-            if (jb.two && budget > 0) {
-                const int nb = min(bpr, budget);
-                prefetch_blocks(jb.b.f, jb.b.b0, nb, lane);
-                budget -= nb;
-            }
-        }
     }
     if constexpr (ROPE) {
         // every pair's angle, with rope_head's float32 operations (ops.cu), before the dots:
@@ -647,7 +609,7 @@ __device__ __forceinline__ void mvq_body(
         }
     }
     pdl_wait();
-    pdl_trigger_at(1);
+    pdl_trigger_at(1, pdl_at);
 
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
@@ -797,7 +759,7 @@ __device__ __forceinline__ void mvq_body(
         j += job_step;
     }
     for (; j < n_jobs; j += job_step) run_job(job_at(j), BoolC<false>{});
-    pdl_trigger_at(2);
+    pdl_trigger_at(2, pdl_at);
 }
 
 #define MVQ_PARAMS                                                                          \
@@ -806,12 +768,13 @@ __device__ __forceinline__ void mvq_body(
         const float *__restrict__ x, int n, const float *__restrict__ norm_w, float eps,      \
         int norm, const float *__restrict__ resid, int has_resid, int act,                   \
         const int *rope_pos, const int *rope_start, u16 *kc, u16 *vc, int head_dim,           \
-        int head_dim_v, int n_rot, int neox, int n_ctx, float theta_scale, float freq_scale
+        int head_dim_v, int n_rot, int neox, int n_ctx, float theta_scale, float freq_scale, \
+        int pdl_at
 #define MVQ_ARGS                                                                           \
     w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2, k, x, n, norm_w, eps, norm, resid,     \
         has_resid, act,                                                                    \
         RopeArgs{rope_pos, rope_start, kc,   vc,         head_dim,   head_dim_v,              \
-                 n_rot,    neox,       n_ctx, theta_scale, freq_scale}
+                 n_rot,    neox,       n_ctx, theta_scale, freq_scale}, pdl_at
 
 // n <= MV_MAX_TOKENS rows of x (short batches), and the decode case n = 1 (fewer registers)
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8(MVQ_PARAMS) {

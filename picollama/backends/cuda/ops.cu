@@ -106,9 +106,9 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
                                       int n_kv_heads, int head_dim, int head_dim_v, int n_rot,
                                       float theta_scale, float freq_scale, int neox,
                                       int n_ctx) {
-    pdl_trigger_at(0);
+    pdl_trigger_at(0, 1);
     pdl_wait();
-    pdl_trigger_at(1);
+    pdl_trigger_at(1, 1);
     int t = blockIdx.x, slot = blockIdx.y;
     int row = *start + t;
     float p = (float)pos[t];
@@ -457,14 +457,14 @@ __device__ __forceinline__ void attention_gqa_body(
     const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
     const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, float scale, int window,
     float softcap, int min_keys, float* __restrict__ out, float* __restrict__ part,
-    int* __restrict__ counter) {
+    int* __restrict__ counter, int pdl_at) {
     constexpr int HD = 32 * DPL;
     __shared__ float sm[ATD_WARPS][GB], sl[ATD_WARPS][GB];
     __shared__ float sacc[ATD_WARPS][GB][HD];
     __shared__ int s_last;
-    pdl_trigger_at(0);
+    pdl_trigger_at(0, pdl_at);
     pdl_wait();
-    pdl_trigger_at(1);
+    pdl_trigger_at(1, pdl_at);
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
@@ -484,9 +484,6 @@ __device__ __forceinline__ void attention_gqa_body(
     const int pos = *start_ptr;
     const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
     const int len = pos + 1 - lo;
-#ifdef ATD_MIN_KEYS
-    min_keys = ATD_MIN_KEYS;  // a build variant (bench_synthetic --define) overrides the host's
-#endif
     // only as many splits as the range needs (min_keys each): short ranges skip the merge
     const int n_splits = max(1, min((int)gridDim.y, len / min_keys));
     if (split >= n_splits) return;
@@ -515,7 +512,7 @@ __device__ __forceinline__ void attention_gqa_body(
             }
         }
     }
-    pdl_trigger_at(2);
+    pdl_trigger_at(2, pdl_at);
 
     // merge the warps' states
 #pragma unroll
@@ -612,10 +609,10 @@ __device__ __forceinline__ void attention_gqa_body(
     const float *__restrict__ q, const u16 *__restrict__ kc, const u16 *__restrict__ vc,     \
         const int *__restrict__ start_ptr, int n_heads, int n_kv_heads, float scale,        \
         int window, float softcap, int min_keys, float *__restrict__ out,                   \
-        float *__restrict__ part, int *__restrict__ counter
+        float *__restrict__ part, int *__restrict__ counter, int pdl_at
 #define ATD_ARGS                                                                           \
     q, kc, vc, start_ptr, n_heads, n_kv_heads, scale, window, softcap, min_keys, out, part, \
-        counter
+        counter, pdl_at
 // attention_gqa_<DPL>_<GB>: head_dim 32 * DPL (64, 128, 256), groups of at most GB heads
 #define ATD_KERNEL(DPL, GB)                                                                \
     extern "C" __global__ void __launch_bounds__(ATD_WARPS * 32)                           \
