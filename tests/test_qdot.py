@@ -205,6 +205,50 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_batch(qtype):
             assert np.array_equal(part, whole[start : start + n]), (n, start)
 
 
+# Types whose kernels dot one weight row with several rows of x at once (prefill, a
+# speculative verification, a server batch): their grouping of rows must not show in the bits.
+ROW_GROUPED = [
+    GGMLType.F32,
+    GGMLType.F16,
+    GGMLType.BF16,
+    GGMLType.Q4_0,
+    GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
+    GGMLType.Q8_0,
+]
+
+
+def batch_mismatches(qtype: GGMLType) -> list[tuple[int, int, int]]:
+    """(k, n, start) of every n-row matmul (n = 1..17) of rows ``start..start+n-1`` of x whose
+    result is not, bit for bit, those rows' results computed one at a time. Sizes are
+    awkward: 37 weight rows (tasks of uneven length), k off the larger multiples (and, for
+    float weights, off the 32-wide chunk, so the zero-padded tail runs)."""
+    from picollama.backends.cpu.bench_qdot import random_weights
+
+    rng = np.random.default_rng(int(qtype))
+    block = GGML_TYPES[qtype].block_size
+    ks = {1: (33, 577), 32: (32 * 7,), 256: (256 * 3,)}[block]
+    bad = []
+    for k in ks:
+        w = random_weights(rng, qtype, 37, k)
+        x = rng.standard_normal((20, k)).astype(np.float32)
+        alone = np.concatenate([matmul_q8(x[i : i + 1], w, qtype, k) for i in range(20)])
+        for n in range(1, 18):
+            for start in (0, 20 - n):
+                got = matmul_q8(x[start : start + n], w, qtype, k)
+                if not np.array_equal(got, alone[start : start + n]):
+                    bad.append((k, n, start))
+    return bad
+
+
+@pytest.mark.parametrize("qtype", ROW_GROUPED, ids=lambda t: t.name)
+def test_every_batch_size_gives_each_row_its_own_bits(qtype):
+    """Batch invariance for every batch size up to 17: whatever group of rows a kernel pass
+    takes (1, 2, 3, 8 ... and the leftover ones), each row gets its lone result's bits."""
+    assert batch_mismatches(qtype) == []
+
+
 @pytest.mark.parametrize("qtype", BIT_EXACT, ids=lambda t: t.name)
 def test_simd_matmul_is_ggml_bit_for_bit(qtype):
     for c in range(N_CASES):
@@ -247,12 +291,13 @@ def test_matmul_many_equals_separate_calls_across_processes():
 
 
 _ISA_SCRIPT = """
+import sys
 import numpy as np
 from picollama.backends.cpu import simd
 from picollama.backends.cpu.attention import attention
 from picollama.backends.cpu.qdot import matmul_q8
 from picollama.gguf.constants import GGMLType
-for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"):
+for name in __TYPES__:
     t = GGMLType[name]
     with np.load("__DATA__/" + name + ".npz") as f:
         for c in range(3):
@@ -266,23 +311,38 @@ for n, start in ((3, 60), (70, 0)):
     q = rng.standard_normal((n, 6, 64)).astype(np.float32)
     out = attention(q, k.view(np.uint16), v.view(np.uint16), start, 0.125)
     np.save("__OUT__/attn_%d.npy" % n, out)
+sys.path.insert(0, "__TESTS__")
+from test_qdot import ROW_GROUPED, batch_mismatches
+for t in ROW_GROUPED:
+    assert batch_mismatches(t) == [], (t.name, batch_mismatches(t))
 print(simd.HAS_AVX2, simd.HAS_VNNI)
 """
+
+
+# the SIMD types, and the float types (their dots are plain LLVM vector code, the same
+# operations on every target, F16's widening apart)
+ISA_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "F32", "F16", "BF16")
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
 def test_fallback_isa_paths_give_the_same_bits(isa, tmp_path):
     """The SIMD dots and attention compiled without AVX-512 (avx2) and without any x86
     instruction asked for by name (generic: what a CPU without AVX2/F16C, or ARM, runs)
-    give the native build's bits, on the frozen oracle's inputs. Each in a fresh process
-    with its own Numba cache (the cache does not know the ISA setting)."""
+    give the native build's bits, on the frozen oracle's inputs, and batch invariance
+    holds there too (other groupings of rows: fewer rows fit the registers). Each in a
+    fresh process with its own Numba cache (the cache does not know the ISA setting)."""
     import os
     import subprocess
     import sys
 
     from picollama.backends.cpu.attention import attention
 
-    script = _ISA_SCRIPT.replace("__DATA__", str(DATA)).replace("__OUT__", str(tmp_path))
+    script = (
+        _ISA_SCRIPT.replace("__TYPES__", repr(ISA_TYPES))
+        .replace("__DATA__", str(DATA))
+        .replace("__OUT__", str(tmp_path))
+        .replace("__TESTS__", str(Path(__file__).parent))
+    )
     env = dict(os.environ, PICOLLAMA_CPU_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900
@@ -290,7 +350,7 @@ def test_fallback_isa_paths_give_the_same_bits(isa, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     has_avx2, has_vnni = proc.stdout.split()
     assert has_vnni == "False" and (has_avx2 == "False") == (isa == "generic")
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"):
+    for name in ISA_TYPES:
         for c in range(N_CASES):
             w, x, _, _ = load_case(GGMLType[name], c)
             native = matmul_q8(x, w, GGMLType[name], x.shape[1])

@@ -38,7 +38,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from picollama.backends.cpu import qdot_unpack as U
-from picollama.backends.cpu.intrinsics import f32_from_bits, load_f16, load_u16, opaque
+from picollama.backends.cpu.intrinsics import opaque
 from picollama.backends.cpu.qdot_act import (
     VEC_DOT_TYPE,
     _quantize_q8_0,
@@ -48,6 +48,7 @@ from picollama.backends.cpu.qdot_act import (
     quantize_rows,
 )
 from picollama.backends.cpu.simd import SIMD_TYPES, vec_dot_rows
+from picollama.backends.cpu.simd_float import FLOAT_GROUP, float_dot_rows
 from picollama.gguf.constants import GGML_TYPES, QK_K, GGMLType
 
 __all__ = ["SUPPORTED_TYPES", "supports", "matmul_q8", "matmul_many_q8", "vec_dot_type"]
@@ -364,14 +365,58 @@ def matmul_many_q8(x: np.ndarray, ws: list[np.ndarray], qtype, k: int) -> list[n
     return outs
 
 
+def _c_contiguous(a):
+    """``a`` itself if Numba knows it C-contiguous, else a C-contiguous copy (compiled code)."""
+    raise NotImplementedError("_c_contiguous is only callable from Numba-compiled code")
+
+
+@overload(_c_contiguous, inline="always")
+def _c_contiguous_overload(a):
+    if isinstance(a, types.Array) and a.layout == "C":
+        return lambda a: a
+    return lambda a: np.ascontiguousarray(a)
+
+
+def _float_dot_few(qtype, count, w, r, xc, i, out, k):
+    """``float_dot_rows`` of ``count`` rows, 0..FLOAT_GROUP - 1 known at run time only
+    (compiled code only, ``qtype`` a literal)."""
+    raise NotImplementedError("_float_dot_few is only callable from Numba-compiled code")
+
+
+@overload(_float_dot_few, inline="always")
+def _float_dot_few_overload(qtype, count, w, r, xc, i, out, k):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    q = qtype.literal_value
+    assert FLOAT_GROUP <= 8
+
+    def impl(qtype, count, w, r, xc, i, out, k):
+        if count == 1:
+            float_dot_rows(q, 1, w, r, xc, i, out, k)
+        elif count == 2:
+            float_dot_rows(q, 2, w, r, xc, i, out, k)
+        elif count == 3:
+            float_dot_rows(q, 3, w, r, xc, i, out, k)
+        elif count == 4:
+            float_dot_rows(q, 4, w, r, xc, i, out, k)
+        elif count == 5:
+            float_dot_rows(q, 5, w, r, xc, i, out, k)
+        elif count == 6:
+            float_dot_rows(q, 6, w, r, xc, i, out, k)
+        elif count == 7:
+            float_dot_rows(q, 7, w, r, xc, i, out, k)
+
+    return impl
+
+
 @functools.cache
 def _float_parts(qtype: int):
     """(convert, rows) for float weights (F32, F16, BF16).
 
     ``convert(x)`` rounds the activation rows to the weight's dot type (F16, BF16; F32 as
     is) and returns them as float32; ``rows(xf, w, w32, out, k, r_lo, r_hi)`` fills
-    ``out[:, r_lo:r_hi]``. Each output is the same dot whatever the number of rows of x,
-    so a batch's rows are each row's alone, bit for bit."""
+    ``out[:, r_lo:r_hi]``. Each output is the same dot whatever the number of rows of x
+    and however they are grouped, so a batch's rows are each row's alone, bit for bit."""
     qtype = int(qtype)
     is_f32 = qtype == GGMLType.F32
     is_f16 = qtype == GGMLType.F16
@@ -387,34 +432,22 @@ def _float_parts(qtype: int):
             _round_bf16(x, out)
         return out
 
-    @njit(cache=True, fastmath=True)
-    def dot(wrow, xrow, k):
-        acc = np.float32(0.0)
-        for j in range(k):
-            acc += wrow[j] * xrow[j]
-        return acc
-
-    @njit(cache=True, fastmath=True)
+    @njit(cache=True)
     def rows(xf, w, w32, out, k, r_lo, r_hi):
-        """F32 weights are read in place (``w32``: their float32 view); F16 and BF16 rows
-        are widened once into ``wf`` for all the rows of x."""
-        n = xf.shape[0]
-        wf = np.empty(k, np.float32)
+        """Each weight row is read from memory once per tile of x rows and dotted with up
+        to ``FLOAT_GROUP`` rows of x per pass (``simd_float``: every row's result the same
+        bits in any group). ``w32`` (F32's float32 view) goes unused: the kernel reads the
+        bytes of ``w``."""
+        xc = _c_contiguous(xf)
+        n = xc.shape[0]
         for i0 in range(0, n, TILE_ROWS):
             i1 = min(n, i0 + TILE_ROWS)
             for r in range(r_lo, r_hi):
-                if is_f32:
-                    wrow = w32[r]
-                    for i in range(i0, i1):
-                        out[i, r] = dot(wrow, xf[i], k)
-                    continue
-                for j in range(k):
-                    if is_f16:
-                        wf[j] = load_f16(w, r, 2 * j)  # vcvtph2ps: exact for finite values
-                    else:
-                        wf[j] = f32_from_bits(np.uint32(load_u16(w, r, 2 * j)) << 16)
-                for i in range(i0, i1):
-                    out[i, r] = dot(wf, xf[i], k)
+                i = i0
+                while i + FLOAT_GROUP <= i1:
+                    float_dot_rows(qtype, FLOAT_GROUP, w, r, xc, i, out, k)
+                    i += FLOAT_GROUP
+                _float_dot_few(qtype, i1 - i, w, r, xc, i, out, k)
 
     return convert, rows
 
