@@ -86,8 +86,15 @@ class _Ops:
         p = self.b.gep(ptr, [offset])
         return self.b.load(self.b.bitcast(p, ty.as_pointer()), align=1)
 
-    def load_f16(self, ptr, offset):
-        return self.b.fpext(self.load(ptr, offset, F16), F32)
+    def load_f16(self, ptr, offset, last=False):
+        """The half at ``offset``, widened. It comes with the two bytes after it (``last``:
+        before it, for a block's closing scale) in one zero-extending 32-bit load: a 16-bit
+        load into a vector lane (vpinsrw) keeps the register's other lanes, a false
+        dependency on whatever the register held, the accumulator chain among others."""
+        b = self.b
+        at = b.sub(offset, ir.Constant(offset.type, 2)) if last else offset
+        pair = b.fpext(b.bitcast(self.load(ptr, at, I32), _vec(F16, 2)), _vec(F32, 2))
+        return b.extract_element(pair, ir.Constant(I32, 1 if last else 0))
 
     def load_f16_pair(self, ptr, offset):
         """The two adjacent halves at ``offset`` (a block's d and m), widened in one go."""
@@ -321,7 +328,7 @@ def _k_quant_body(qtype):
             return acc, acc_m
         # Q6_K: ql[128], qh[64], scales[16] (int8), d
         base = b.mul(i, ir.Constant(I64, 210))
-        d = b.fmul(dy, o.load_f16(w, b.add(base, ir.Constant(I64, 208))))
+        d = b.fmul(dy, o.load_f16(w, b.add(base, ir.Constant(I64, 208)), last=True))
         scales = b.sext(o.load(w, b.add(base, ir.Constant(I64, 192)), _vec(I8, 16)), _vec(I16, 16))
         # The quants are q - 32 with q in 0..63. ggml subtracts 32 * q8 pair by pair
         # (pmaddubsw of 32s); we take the same integer total as sum(scale_g * q * q8) minus
