@@ -125,7 +125,9 @@ _OPS = (
 )
 
 
-def profile_steps(model: str, levels: list[int], threads: int, n_steps: int) -> None:
+def profile_steps(
+    model: str, levels: list[int], threads: int, n_steps: int, backend: str = "cpu"
+) -> None:
     """Where one engine step's time goes, in process (no HTTP): for each number of slots,
     the scheduler's step (sampling, detokenizing, streaming) around the batched forward, and
     inside the forward each backend op's exclusive time, per step."""
@@ -135,7 +137,7 @@ def profile_steps(model: str, levels: list[int], threads: int, n_steps: int) -> 
     from picollama.sampling.samplers import Sampler, SamplingParams
     from picollama.server import scheduler as sched
 
-    engine = Engine(model, n_threads=threads)
+    engine = Engine(model, backend=backend, n_threads=threads)
     be = engine.backend
     times: dict[str, float] = {}
     stack: list[list] = []  # [name, child time]
@@ -246,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "-t", "--threads", type=int, default=os.cpu_count(), help="threads, both servers"
     )
     p.add_argument("--levels", default="1,2,4,8", help="concurrent streams, comma-separated")
+    p.add_argument("--backend", default="cpu", help="picollama's backend (cpu, cuda, opencl)")
     p.add_argument("-r", "--repetitions", type=int, default=1, help="runs per level (median)")
     p.add_argument(
         "--profile",
@@ -275,20 +278,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --peer {args.peer!r} is not an executable file", file=sys.stderr)
         return 2
     if args.profile > 0:
-        profile_steps(args.model, levels, args.threads, args.profile)
+        profile_steps(args.model, levels, args.threads, args.profile, args.backend)
         return 0
     n_slots = max(levels)
     n_ctx = n_slots * (args.n_predict + 128)  # a prompt of < 64 tokens and the answer, per slot
     common = ["-np", str(n_slots), "-c", str(n_ctx), "-t", str(args.threads)]
-    servers = [
-        ("picollama", [sys.executable, "-m", "picollama.tools.server", "--log-disable", *common])
-    ]
+    ours = [sys.executable, "-m", "picollama.tools.server", "--log-disable", *common]
+    servers = [("picollama", [*ours, "--backend", args.backend])]
     if args.peer:
         servers.append(("llama-server", [args.peer, "--log-disable", *common]))
         servers[-1][1].extend(["-tb", str(args.threads)])
     print(
         f"model {os.path.basename(args.model)}, {args.n_predict} tokens per stream, "
-        f"-np {n_slots} -c {n_ctx} -t {args.threads}",
+        f"-np {n_slots} -c {n_ctx} -t {args.threads}, picollama on {args.backend}",
         flush=True,
     )
     procs: dict[str, tuple[subprocess.Popen, int]] = {}
