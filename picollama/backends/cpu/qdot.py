@@ -47,7 +47,13 @@ from picollama.backends.cpu.qdot_act import (
     _round_f16,
     quantize_rows,
 )
-from picollama.backends.cpu.simd import SIMD_TYPES, vec_dot_rows
+from picollama.backends.cpu.simd import (
+    HAS_AVX512BW,
+    LEGACY_TYPES,
+    SIMD_TYPES,
+    vec_dot_packed,
+    vec_dot_rows,
+)
 from picollama.backends.cpu.simd_float import FLOAT_GROUP, float_dot_rows
 from picollama.gguf.constants import GGML_TYPES, QK_K, GGMLType
 
@@ -202,6 +208,43 @@ def _quant_kernel(qtype: int):
     return kernel
 
 
+# Rows of x a packed vec_dot pass takes at most: two rows share a 512-bit accumulator on
+# AVX-512, so 8 rows hold 4 of its 32 registers; with 256-bit ones, 4 rows (more spill).
+PACKED_GROUP = 8 if HAS_AVX512BW else 4
+
+
+def _vec_dot_packed_few(qtype, count, w, r, xqp, xdp, xsp, t, out, i):
+    """``vec_dot_packed`` of ``count`` rows, 0..PACKED_GROUP - 1 known at run time only
+    (compiled code only, ``qtype`` a literal)."""
+    raise NotImplementedError("_vec_dot_packed_few is only callable from Numba-compiled code")
+
+
+@overload(_vec_dot_packed_few, inline="always")
+def _vec_dot_packed_few_overload(qtype, count, w, r, xqp, xdp, xsp, t, out, i):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    q = qtype.literal_value
+    assert PACKED_GROUP <= 8
+
+    def impl(qtype, count, w, r, xqp, xdp, xsp, t, out, i):
+        if count == 1:
+            vec_dot_packed(q, 1, w, r, xqp, xdp, xsp, t, out, i)
+        elif count == 2:
+            vec_dot_packed(q, 2, w, r, xqp, xdp, xsp, t, out, i)
+        elif count == 3:
+            vec_dot_packed(q, 3, w, r, xqp, xdp, xsp, t, out, i)
+        elif count == 4:
+            vec_dot_packed(q, 4, w, r, xqp, xdp, xsp, t, out, i)
+        elif count == 5:
+            vec_dot_packed(q, 5, w, r, xqp, xdp, xsp, t, out, i)
+        elif count == 6:
+            vec_dot_packed(q, 6, w, r, xqp, xdp, xsp, t, out, i)
+        elif count == 7:
+            vec_dot_packed(q, 7, w, r, xqp, xdp, xsp, t, out, i)
+
+    return impl
+
+
 @functools.cache
 def _simd_parts(qtype: int):
     """(quantize, rows) for a type with a SIMD block dot (``simd.vec_dot_rows``).
@@ -209,7 +252,7 @@ def _simd_parts(qtype: int):
     ``quantize(x)`` converts the activation rows to the type's dot type (in parallel over
     rows for a batch) and returns ``(xq, xd, xs, bsums)``; ``rows(w, xq, xd, xs, bsums,
     out, r_lo, r_hi)`` fills ``out[:, r_lo:r_hi]``: for decode row by row, for a batch each
-    weight row once per tile of x rows, dotted with four x rows at a time."""
+    weight row once per tile of x rows, dotted with several x rows at a time."""
     qtype = int(qtype)
     vtype = VEC_DOT_TYPE[GGMLType(qtype)]
     k_quant = vtype == GGMLType.Q8_K
@@ -255,7 +298,7 @@ def _simd_parts(qtype: int):
     # a core two rows at a time, 20-24 GB/s one (Q8_0: 16 against 39).
 
     @njit(inline="always")
-    def rows(w, xq, xd, xs, bsums, out, r_lo, r_hi):
+    def rows_k(w, xq, xd, xs, bsums, out, r_lo, r_hi):
         n = xq.shape[0]
         if n < 4:  # each weight row read from memory once, then from L1 for the next x rows
             for r in range(r_lo, r_hi):
@@ -273,6 +316,39 @@ def _simd_parts(qtype: int):
                     vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
                     i += 1
 
+    @njit(inline="always")
+    def rows_legacy(w, xq, xd, xs, bsums, out, r_lo, r_hi):
+        n = xq.shape[0]
+        if n == 1:
+            for r in range(r_lo, r_hi):
+                vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, 0, out)
+            return
+        if r_hi <= r_lo:
+            return
+        # a batch: the task's copy of a tile of x rows, block-major (``vec_dot_packed``),
+        # then each weight row read from memory once per tile and its blocks unpacked once
+        # per pass over up to PACKED_GROUP rows
+        nb = xd.shape[1]
+        for i0 in range(0, n, TILE_ROWS):
+            c = min(n, i0 + TILE_ROWS) - i0
+            xqp = np.empty((nb, c * 32), np.int8)
+            xdp = np.empty((nb, c), np.float32)
+            xsp = np.empty((nb, c if with_sum else 0), np.float32)
+            for u in range(c):
+                for blk in range(nb):
+                    xdp[blk, u] = xd[i0 + u, blk]
+                    if with_sum:
+                        xsp[blk, u] = xs[i0 + u, blk]
+                    for j in range(32):
+                        xqp[blk, 32 * u + j] = xq[i0 + u, 32 * blk + j]
+            for r in range(r_lo, r_hi):
+                t = 0
+                while t + PACKED_GROUP <= c:
+                    vec_dot_packed(qtype, PACKED_GROUP, w, r, xqp, xdp, xsp, t, out, i0 + t)
+                    t += PACKED_GROUP
+                _vec_dot_packed_few(qtype, c - t, w, r, xqp, xdp, xsp, t, out, i0 + t)
+
+    rows = rows_legacy if GGMLType(qtype) in LEGACY_TYPES else rows_k
     return quantize, rows
 
 

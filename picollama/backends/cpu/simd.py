@@ -23,6 +23,12 @@ first three literals) dots rows ``r..r+nw-1`` of the weights ``w`` (uint8 (m, ro
 with rows ``i..i+n-1`` of the quantized activations (``qdot_act.quantize_rows``: int8 quants ``xq``,
 float32 block scales ``xd``, Q8_1 sums ``xs``, Q8_K ``bsums``) into column ``r`` of
 ``out``; the weight block is unpacked once for the ``n`` rows (prefill).
+
+``vec_dot_packed`` does the same for the 32-weight types with activations copied
+block-major (a block's quants of adjacent rows side by side, their scales in one vector):
+there two rows share each 512-bit register on AVX-512, and the rows' scales come from one
+vector multiply, with every lane's arithmetic that of the single-row dot, so a row's
+result is the same bits (ggml's) in any batch.
 """
 
 from __future__ import annotations
@@ -38,7 +44,15 @@ from numba.extending import intrinsic
 from picollama.backends.cpu.intrinsics import CPU_ISA, HOST_FEATURES
 from picollama.gguf.constants import GGMLType
 
-__all__ = ["SIMD_TYPES", "HAS_AVX2", "HAS_VNNI", "HAS_AVX512BW", "vec_dot_rows"]
+__all__ = [
+    "SIMD_TYPES",
+    "LEGACY_TYPES",
+    "HAS_AVX2",
+    "HAS_VNNI",
+    "HAS_AVX512BW",
+    "vec_dot_rows",
+    "vec_dot_packed",
+]
 
 _FEATURES = HOST_FEATURES if llvm.get_process_triple().startswith("x86_64") else ""
 HAS_AVX2 = "+avx2" in _FEATURES
@@ -159,6 +173,21 @@ class _Ops:
     def mul_sum_i8_pairs_float(self, x, y):
         return self.mul_sum_us8_pairs_float(self.sign(x, x), self.sign(y, x))
 
+    def dot_us8_512(self, ax, sy):
+        """Sums of four adjacent u8 * s8 products, 64 bytes to 16 int32 lanes (AVX-512):
+        vpdpbusd with VNNI, else pmaddubsw and pmaddwd by ones (the same sums where no
+        pair of products saturates int16, as in ``mul_sum_us8_pairs_float``)."""
+        b = self.b
+        v16 = _vec(I32, 16)
+        if HAS_VNNI:
+            fn = self._intrinsic("llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
+            return b.call(fn, [_splat(I32, 16, 0), b.bitcast(ax, v16), b.bitcast(sy, v16)])
+        maddubs = self._intrinsic(
+            "llvm.x86.avx512.pmaddubs.w.512", _vec(I16, 32), [_vec(I8, 64), _vec(I8, 64)]
+        )
+        maddwd = self._intrinsic("llvm.x86.avx512.pmaddw.d.512", v16, [_vec(I16, 32)] * 2)
+        return b.call(maddwd, [_splat(I16, 32, 1), b.call(maddubs, [ax, sy])])
+
     def fma8(self, a, x, acc):
         fn = self._intrinsic("llvm.fma.v8f32", _vec(F32, 8), [_vec(F32, 8)] * 3)
         return self.b.call(fn, [a, x, acc])
@@ -251,6 +280,157 @@ def _legacy_body(qtype):
         return acc, summs
 
     return step
+
+
+_LEGACY_SIZE = {
+    GGMLType.Q4_0: 18,
+    GGMLType.Q4_1: 20,
+    GGMLType.Q5_0: 22,
+    GGMLType.Q5_1: 24,
+    GGMLType.Q8_0: 34,
+}
+
+
+def _legacy_weights(qtype):
+    """``weights(o, w, i)`` -> (dx, m, qx): block i's scale, min (Q4_1, Q5_1, else None)
+    and 32 quant bytes (signed for Q4_0, Q5_0, Q8_0), unpacked as ``_legacy_body`` does."""
+    size = _LEGACY_SIZE[qtype]
+
+    def weights(o: _Ops, w, i):
+        b = o.b
+        base = b.mul(i, ir.Constant(I64, size))
+        m = None
+        if qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
+            dx, m = o.load_f16_pair(w, base)
+        else:
+            dx = o.load_f16(w, base)
+        if qtype == GGMLType.Q4_0:
+            qx = b.sub(o.nibbles_32(w, b.add(base, ir.Constant(I64, 2))), _splat(I8, 32, 8))
+        elif qtype == GGMLType.Q4_1:
+            qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 4)))
+        elif qtype == GGMLType.Q5_0:
+            qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 6)))
+            hi = o.bits_32(w, b.add(base, ir.Constant(I64, 2)))
+            hi = b.and_(b.xor(hi, _splat(I8, 32, -1)), _splat(I8, 32, -16))  # andnot 0xF0
+            qx = b.or_(qx, hi)
+        elif qtype == GGMLType.Q5_1:
+            qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 8)))
+            hi = b.and_(o.bits_32(w, b.add(base, ir.Constant(I64, 4))), _splat(I8, 32, 0x10))
+            qx = b.or_(qx, hi)
+        else:  # Q8_0
+            qx = o.load(w, b.add(base, ir.Constant(I64, 2)), _vec(I8, 32))
+        return dx, m, qx
+
+    return weights
+
+
+def _define_packed(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
+    """A 32-weight type's vec_dot of one weight row with ``n_rows`` rows of packed
+    activations (``vec_dot_packed``).
+
+    ``f(w, xq, xq_stride, xd, xd_stride, xs, nb, out, out_stride)``: block b of activation
+    row r has its 32 quants at ``xq + b * xq_stride + 32 r`` and its float32 scale (and
+    Q8_1 sum) at ``xd + b * xd_stride + 4 r`` (``xs`` likewise); the dot is stored at
+    ``out + r * out_stride``. Per block, the weights are unpacked once for all the rows,
+    and the rows' scales ``dx * dy`` (and min terms ``m * s``) come from one vector
+    multiply over the adjacent ``dy`` (and ``s``): lane by lane the scalar operations of
+    ``_legacy_body``. Where the CPU has AVX-512, two adjacent rows share a 512-bit
+    register: the weight block's 32 bytes broadcast to both halves, the rows' 64 bytes in
+    one load, one integer dot (vpdpbusd, or pmaddubsw + pmaddwd), one sitofp and one FMA
+    with the two rows' scales give in lanes 0..7 and 8..15 the two rows' accumulators of
+    the 256-bit code. Every lane's operations and roundings are those of the single-row
+    vec_dot, so each result is its bits (ggml's), whatever the grouping of rows.
+    """
+    isa = "vnni" if HAS_VNNI else "avx512" if HAS_AVX512BW else "avx2" if HAS_AVX2 else "generic"
+    name = f"picollama_vec_dot_packed_{qtype.name.lower()}_{n_rows}_{isa}"
+    try:
+        return module.get_global(name)
+    except KeyError:
+        pass
+    p8 = I8.as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [p8, p8, I64, p8, I64, p8, I64, p8, I64])
+    fn = ir.Function(module, fnty, name)
+    fn.linkage = "internal"
+    fn.attributes.add("alwaysinline")
+    w, xq, sq, xd, sd, xs, nb, out, so = fn.args
+    entry = fn.append_basic_block("entry")
+    loop = fn.append_basic_block("loop")
+    done = fn.append_basic_block("done")
+    b = ir.IRBuilder(entry)
+    o = _Ops(b)
+    signed = qtype in (GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0)
+    with_sum = qtype in (GGMLType.Q4_1, GGMLType.Q5_1)
+    vn = _vec(F32, n_rows)
+    if HAS_AVX512BW:
+        groups = [tuple(range(r, min(r + 2, n_rows))) for r in range(0, n_rows, 2)]
+    else:
+        groups = [(r,) for r in range(n_rows)]
+
+    def zeros(n):
+        return ir.Constant(_vec(F32, n), [ir.Constant(F32, 0.0)] * n)
+
+    def splat_n(value):
+        v = b.insert_element(ir.Constant(vn, None), value, ir.Constant(I32, 0))
+        return b.shuffle_vector(v, v, _mask([0] * n_rows))
+
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(I64)
+    accs = [b.phi(_vec(F32, 8 * len(g))) for g in groups]
+    summs = b.phi(vn) if with_sum else None
+    dx, m, qx = _legacy_weights(qtype)(o, w, i)
+    dy = b.load(b.bitcast(b.gep(xd, [b.mul(i, sd)]), vn.as_pointer()), align=4)
+    scales = b.fmul(splat_n(dx), dy)  # lane r: the scalar dx * dy of row r
+    if with_sum:
+        sy = b.load(b.bitcast(b.gep(xs, [b.mul(i, sd)]), vn.as_pointer()), align=4)
+        summs1 = b.fadd(summs, b.fmul(splat_n(m), sy))
+    ax = o.sign(qx, qx) if signed else qx
+    qoff = b.mul(i, sq)
+    new = []
+    for g, acc in zip(groups, accs, strict=True):
+        if len(g) == 2:
+            qy = o.load(xq, b.add(qoff, ir.Constant(I64, 32 * g[0])), _vec(I8, 64))
+            qx2 = b.shuffle_vector(qx, qx, _mask(list(range(32)) * 2))
+            if signed:  # psign: qy negated where qx < 0, zeroed where qx == 0
+                zero = _splat(I8, 64, 0)
+                neg = b.select(b.icmp_signed("<", qx2, zero), b.sub(zero, qy), qy)
+                sy2 = b.select(b.icmp_signed("==", qx2, zero), zero, neg)
+            else:
+                sy2 = qy
+            ax2 = b.shuffle_vector(ax, ax, _mask(list(range(32)) * 2))
+            q = b.sitofp(o.dot_us8_512(ax2, sy2), _vec(F32, 16))
+            d = b.shuffle_vector(scales, scales, _mask([g[0]] * 8 + [g[1]] * 8))
+            fn16 = o._intrinsic("llvm.fma.v16f32", _vec(F32, 16), [_vec(F32, 16)] * 3)
+            new.append(b.call(fn16, [d, q, acc]))
+        else:
+            qy = o.load(xq, b.add(qoff, ir.Constant(I64, 32 * g[0])), _vec(I8, 32))
+            sy1 = o.sign(qy, qx) if signed else qy
+            q = o.mul_sum_us8_pairs_float(ax, sy1)
+            d = b.shuffle_vector(scales, scales, _mask([g[0]] * 8))
+            new.append(o.fma8(d, q, acc))
+    i1 = b.add(i, ir.Constant(I64, 1))
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    i.add_incoming(i1, b.block)
+    for g, phi, acc1 in zip(groups, accs, new, strict=True):
+        phi.add_incoming(zeros(8 * len(g)), entry)
+        phi.add_incoming(acc1, b.block)
+    if with_sum:
+        summs.add_incoming(zeros(n_rows), entry)
+        summs.add_incoming(summs1, b.block)
+    b.cbranch(b.icmp_unsigned("<", i1, nb), loop, done)
+    b.position_at_end(done)
+    for g, acc1 in zip(groups, new, strict=True):
+        for t, r in enumerate(g):
+            lanes = acc1
+            if len(g) == 2:  # row r: lanes 8t..8t+7
+                lanes = b.shuffle_vector(acc1, acc1, _mask(range(8 * t, 8 * t + 8)))
+            total = o.hsum_float_8(lanes)
+            if with_sum:
+                total = b.fadd(total, b.extract_element(summs1, ir.Constant(I32, r)))
+            dst = b.gep(out, [b.mul(ir.Constant(I64, r), so)])
+            b.store(total, b.bitcast(dst, F32.as_pointer()))
+    b.ret_void()
+    return fn
 
 
 # get_scale_shuffle_k4(i): 16-bit scale i broadcast to every 16-bit lane
@@ -456,6 +636,7 @@ def _q6_k_sumi_512(o: _Ops, w, base, xq, q8, scales):
 _LEGACY = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0)
 _K = (GGMLType.Q4_K, GGMLType.Q6_K)
 SIMD_TYPES: frozenset[GGMLType] = frozenset(_LEGACY + _K)
+LEGACY_TYPES: frozenset[GGMLType] = frozenset(_LEGACY)  # the 32-weight ones
 
 
 def _define(module: ir.Module, qtype: GGMLType, n_rows: int, n_wrows: int) -> ir.Function:
@@ -605,6 +786,60 @@ def vec_dot_rows(typingctx, qtype, n_rows, n_wrows, w, r, xq, xd, xs, bsums, i, 
                 ss,
                 nb,
                 at(od, os_, i_, col),
+                os_,
+            ],
+        )
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def vec_dot_packed(typingctx, qtype, n_rows, w, r, xqp, xdp, xsp, t, out, i):
+    """``vec_dot_packed(qtype, n_rows, w, r, xqp, xdp, xsp, t, out, i)``: for k in
+    0..n_rows-1, ``out[i + k, r]`` = ggml's vec_dot of weight row ``r`` with row ``t + k``
+    of activations of a 32-weight type packed block-major: ``xqp`` int8 (nb, c * 32), row
+    u's quants of block b at ``xqp[b, 32 u : 32 u + 32]``; ``xdp`` float32 (nb, c) its
+    scales, ``xsp`` float32 (nb, c) its Q8_1 sums (Q4_1, Q5_1; else unused). Adjacent rows
+    then sit side by side, so two of them fill one 512-bit register (``_define``).
+    ``qtype`` and ``n_rows`` are literals."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (qtype, n_rows)):
+        return None
+    qt = GGMLType(qtype.literal_value)
+    if qt not in _LEGACY:
+        return None
+    count = n_rows.literal_value
+    sig = types.void(qtype, n_rows, w, r, xqp, xdp, xsp, t, out, i)
+
+    def codegen(context, builder, signature, args):
+        _, _, w_t, r_t, xq_t, xd_t, xs_t, t_t, out_t, i_t = signature.args
+        _, _, w_v, r_v, xq_v, xd_v, xs_v, t_v, out_v, i_v = args
+        fn = _define_packed(builder.module, qt, count)
+        intp = context.get_value_type(types.intp)
+        r_ = context.cast(builder, r_v, r_t, types.intp)
+        t_ = context.cast(builder, t_v, t_t, types.intp)
+        i_ = context.cast(builder, i_v, i_t, types.intp)
+        wd, ws, _ = _array_parts(context, builder, w_t, w_v)
+        qd, qs, _ = _array_parts(context, builder, xq_t, xq_v)
+        dd, ds, _ = _array_parts(context, builder, xd_t, xd_v)
+        sd_, _, _ = _array_parts(context, builder, xs_t, xs_v)
+        od, os_, _ = _array_parts(context, builder, out_t, out_v)
+        ary = context.make_array(xq_t)(context, builder, xq_v)
+        nb = cgutils.unpack_tuple(builder, ary.shape, 2)[0]
+        t4 = builder.mul(t_, ir.Constant(intp, 4))
+        with_sum = qt in (GGMLType.Q4_1, GGMLType.Q5_1)
+        out_at = builder.add(builder.mul(i_, os_), builder.mul(r_, ir.Constant(intp, 4)))
+        builder.call(
+            fn,
+            [
+                builder.gep(wd, [builder.mul(r_, ws)]),
+                builder.gep(qd, [builder.mul(t_, ir.Constant(intp, 32))]),
+                qs,
+                builder.gep(dd, [t4]),
+                ds,
+                builder.gep(sd_, [t4]) if with_sum else ir.Constant(I8.as_pointer(), None),
+                nb,
+                builder.gep(od, [out_at]),
                 os_,
             ],
         )
