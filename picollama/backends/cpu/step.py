@@ -28,8 +28,8 @@ import weakref
 
 import numba as nb
 import numpy as np
-from numba import prange
-from numba.typed import List
+from numba import prange, types
+from numba.extending import intrinsic
 
 from picollama.backends.base import BackendError, Weight
 from picollama.backends.cpu import attention as _attn
@@ -94,6 +94,52 @@ class Untraceable(Exception):
 
 # ---- the interpreter ----
 
+# A program's weights and the segments' caches reach ``_run`` as tables of addresses and
+# shapes, turned back into arrays in compiled code: a Numba typed list made from Python
+# compiles its methods at every start (a second of a CLI's first token), and unboxing one
+# costs microseconds a step. The arrays behind the addresses are held by the program (the
+# weights) or the caller (the caches) for as long as a run lasts.
+
+
+def _pointer_intrinsic(dtype):
+    @intrinsic
+    def pointer(typingctx, address):
+        sig = types.CPointer(dtype)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return sig, codegen
+
+    return pointer
+
+
+_u8_at = _pointer_intrinsic(types.uint8)
+_u16_at = _pointer_intrinsic(types.uint16)
+_f32_at = _pointer_intrinsic(types.float32)
+
+
+@nb.njit(inline="always")
+def _weight(wmeta, wid):
+    """Weight ``wid``'s raw rows: uint8 (m, row_bytes)."""
+    return nb.carray(_u8_at(wmeta[wid, 0]), (wmeta[wid, 1], wmeta[wid, 2]))
+
+
+@nb.njit(inline="always")
+def _weight32(wmeta, wid):
+    """An F32 weight's rows as float32 (m, k); (0, 0) for other types."""
+    if wmeta[wid, 3] != _F32:
+        return nb.carray(_f32_at(wmeta[wid, 0]), (0, 0))
+    return nb.carray(_f32_at(wmeta[wid, 0]), (wmeta[wid, 1], wmeta[wid, 2] // 4))
+
+
+@nb.njit(inline="always")
+def _cache(cmeta, seg, which, layer):
+    """Layer ``layer`` of segment ``seg``'s K (``which`` 0) or V (1) cache: uint16 F16 bits
+    (n_ctx, n_kv_heads, head_dim)."""
+    m = cmeta[seg, which]
+    return nb.carray(_u16_at(m[0] + layer * m[2] * m[3] * m[4] * 2), (m[2], m[3], m[4]))
+
 
 @nb.njit(cache=True, nogil=True)
 def _quantize_any(qt, x):
@@ -155,15 +201,15 @@ def _float_rows_any(qt, xf, w, w32, out, lo, hi):
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
-def _matmuls(arena, src, n, k, ws, ws32, wtypes, ins, n_tasks):
+def _matmuls(arena, src, n, k, wmeta, ins, n_tasks):
     """Up to three products of one activation (n, k) (``ins``: rows of (wid, dst, m), wid
     -1 for none): one conversion of x and one parallel region when the weights share a
     type."""
     x = arena[src : src + n * k].reshape(n, k)
-    qt = wtypes[ins[0, 0]]
+    qt = wmeta[ins[0, 0], 3]
     same = True
     for j in range(1, 3):
-        if ins[j, 0] >= 0 and wtypes[ins[j, 0]] != qt:
+        if ins[j, 0] >= 0 and wmeta[ins[j, 0], 3] != qt:
             same = False
     # a row range of each product per task (an absent product has 0 rows)
     i0, i1, i2 = ins[0, 0], max(ins[1, 0], 0), max(ins[2, 0], 0)
@@ -177,15 +223,15 @@ def _matmuls(arena, src, n, k, ws, ws32, wtypes, ins, n_tasks):
         xf = _convert_any(qt, x)
         for t in prange(n_tasks):
             lo, hi = t * m0 // n_tasks, (t + 1) * m0 // n_tasks
-            _float_rows_any(qt, xf, ws[i0], ws32[i0], o0, lo, hi)
+            _float_rows_any(qt, xf, _weight(wmeta, i0), _weight32(wmeta, i0), o0, lo, hi)
             lo, hi = t * m1 // n_tasks, (t + 1) * m1 // n_tasks
-            _float_rows_any(qt, xf, ws[i1], ws32[i1], o1, lo, hi)
+            _float_rows_any(qt, xf, _weight(wmeta, i1), _weight32(wmeta, i1), o1, lo, hi)
             lo, hi = t * m2 // n_tasks, (t + 1) * m2 // n_tasks
-            _float_rows_any(qt, xf, ws[i2], ws32[i2], o2, lo, hi)
+            _float_rows_any(qt, xf, _weight(wmeta, i2), _weight32(wmeta, i2), o2, lo, hi)
         return
     if same:
         xq, xd, xs, bsums = _quantize_any(qt, x)
-        w0, w1, w2 = ws[i0], ws[i1], ws[i2]
+        w0, w1, w2 = _weight(wmeta, i0), _weight(wmeta, i1), _weight(wmeta, i2)
         for t in prange(n_tasks):
             _rows_any(qt, w0, xq, xd, xs, bsums, o0, t * m0 // n_tasks, (t + 1) * m0 // n_tasks)
             _rows_any(qt, w1, xq, xd, xs, bsums, o1, t * m1 // n_tasks, (t + 1) * m1 // n_tasks)
@@ -195,14 +241,15 @@ def _matmuls(arena, src, n, k, ws, ws32, wtypes, ins, n_tasks):
         wid = ins[j, 0]
         if wid < 0:
             continue
-        qj = wtypes[wid]
+        qj = wmeta[wid, 3]
         m = ins[j, 2]
         out = arena[ins[j, 1] : ins[j, 1] + n * m].reshape(n, m)
-        w = ws[wid]
+        w = _weight(wmeta, wid)
         if qj == _F32 or qj == _F16 or qj == _BF16:
             xf = _convert_any(qj, x)
             for t in prange(n_tasks):
-                _float_rows_any(qj, xf, w, ws32[wid], out, t * m // n_tasks, (t + 1) * m // n_tasks)
+                lo, hi = t * m // n_tasks, (t + 1) * m // n_tasks
+                _float_rows_any(qj, xf, w, _weight32(wmeta, wid), out, lo, hi)
             continue
         xq, xd, xs, bsums = _quantize_any(qj, x)
         for t in prange(n_tasks):
@@ -213,13 +260,10 @@ def _matmuls(arena, src, n, k, ws, ws32, wtypes, ins, n_tasks):
 def _run(
     code,
     fargs,
-    ws,
-    ws32,
-    wtypes,
+    wmeta,
     consts,
     arena,
-    k_caches,
-    v_caches,
+    cmeta,
     positions,
     starts,
     n_tasks,
@@ -272,7 +316,7 @@ def _run(
                 ins[j, 0] = c[3 + 3 * j]
                 ins[j, 1] = c[4 + 3 * j]
                 ins[j, 2] = c[5 + 3 * j]
-            _matmuls(arena, c[1], n, c[2], ws, ws32, wtypes, ins, n_tasks)
+            _matmuls(arena, c[1], n, c[2], wmeta, ins, n_tasks)
             if op == _OP_GATED:
                 m = c[5]
                 g = arena[c[4] : c[4] + n * m].reshape(n, m)
@@ -310,23 +354,25 @@ def _run(
         elif op == _OP_STORE_KV:
             # [op, k_src, v_src, layer, n_k, n_v, segment, rows]: F16 rounding as ggml's copy
             seg, n, nk, nv = c[6], c[7], c[4], c[5]
+            kl = _cache(cmeta, seg, 0, c[3])
+            vl = _cache(cmeta, seg, 1, c[3])
             for t in range(n):
-                kc = k_caches[seg][c[3], starts[seg] + t].reshape(-1)
-                vc = v_caches[seg][c[3], starts[seg] + t].reshape(-1)
+                kc = kl[starts[seg] + t].reshape(-1)
+                vc = vl[starts[seg] + t].reshape(-1)
                 for j in range(nk):
                     kc[j] = f32_to_f16_bits(arena[c[1] + t * nk + j])
                 for j in range(nv):
                     vc[j] = f32_to_f16_bits(arena[c[2] + t * nv + j])
         elif op == _OP_ATTENTION and c[10] > 1:
-            _attention_group(code, fargs, i, c[10], arena, k_caches, v_caches, starts)
+            _attention_group(code, fargs, i, c[10], arena, cmeta, starts)
         elif op == _OP_ATTENTION and c[10] == 1:
             # [op, q, dst, layer, n_heads, head_dim, window, head_dim_v, segment, rows,
             # group]; fargs: scale, softcap
             nh, hd, hdv, seg, n = c[4], c[5], c[7], c[8], c[9]
             q = arena[c[1] : c[1] + n * nh * hd].reshape(n, nh, hd)
             out = arena[c[2] : c[2] + n * nh * hdv].reshape(n, nh * hdv)
-            kc = k_caches[seg][c[3]]
-            vc = v_caches[seg][c[3]]
+            kc = _cache(cmeta, seg, 0, c[3])
+            vc = _cache(cmeta, seg, 1, c[3])
             start = starts[seg]
             scale = np.float32(fargs[i, 0])
             softcap = np.float32(fargs[i, 1])
@@ -343,29 +389,31 @@ def _run(
             y = arena[c[5] : c[5] + m].reshape(1, m)
             out = arena[c[6] : c[6] + m].reshape(1, m)
             s = np.float32(fargs[i, 0])
-            lora_rows(x, ws[c[3]], wtypes[c[3]], ws[c[4]], wtypes[c[4]], s, y, out)
+            a, bt = _weight(wmeta, c[3]), _weight(wmeta, c[4])
+            lora_rows(x, a, wmeta[c[3], 3], bt, wmeta[c[4], 3], s, y, out)
         elif op == _OP_LORA and c[8] > 1:
-            _lora_terms(code, fargs, i, c[8], ws, wtypes, arena)
+            _lora_terms(code, fargs, i, c[8], wmeta, arena)
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
-def _lora_terms(code, fargs, first, n, ws, wtypes, arena):
+def _lora_terms(code, fargs, first, n, wmeta, arena):
     """LoRA terms of one input (Q, K and V; gate and up), program rows ``first ..``, a task
     each: the adapter's bytes stream through every core, not one. Each term is the same
     ``_row`` that ``lora_rows`` runs, so the floats are the op-by-op pass's."""
     for j in prange(n):
         c = code[first + j]
         k, m = c[2], c[7]
-        t = np.empty(ws[c[3]].shape[0], np.float32)
+        a, bt = _weight(wmeta, c[3]), _weight(wmeta, c[4])
+        t = np.empty(a.shape[0], np.float32)
         x = arena[c[1] : c[1] + k]
         y = arena[c[5] : c[5] + m]
         out = arena[c[6] : c[6] + m]
         s = np.float32(fargs[first + j, 0])
-        _row(x, ws[c[3]], wtypes[c[3]], ws[c[4]], wtypes[c[4]], s, y, out, t)
+        _row(x, a, wmeta[c[3], 3], bt, wmeta[c[4], 3], s, y, out, t)
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
-def _attention_group(code, fargs, first, n, arena, k_caches, v_caches, starts):
+def _attention_group(code, fargs, first, n, arena, cmeta, starts):
     """Attention rows ``first ..`` of one layer, each another segment's, in one parallel
     region: a task per (segment, row, head), each ``attention.one_chunk`` as the op-by-op
     pass runs it (its rows are below ``FA_TILE_Q``), so the results are the same."""
@@ -382,8 +430,8 @@ def _attention_group(code, fargs, first, n, arena, k_caches, v_caches, starts):
         nh, hd, hdv, seg, rows = c[4], c[5], c[7], c[8], c[9]
         q = arena[c[1] : c[1] + rows * nh * hd].reshape(rows, nh, hd)
         out = arena[c[2] : c[2] + rows * nh * hdv].reshape(rows, nh * hdv)
-        kc = k_caches[seg][c[3]]
-        vc = v_caches[seg][c[3]]
+        kc = _cache(cmeta, seg, 0, c[3])
+        vc = _cache(cmeta, seg, 1, c[3])
         scale = np.float32(fargs[first + g, 0])
         softcap = np.float32(fargs[first + g, 1])
         if softcap > 0:
@@ -873,15 +921,15 @@ class _Program:
         self.code = np.ascontiguousarray(both[:n])
         self.embd_offset = int(both[n, 1])
         self.outs = [_Sym(int(both[n + 1 + i, 1]), o.shape) for i, o in enumerate(outs)]
-        self.weights = List()
-        self.weights32 = List()
-        for w in tracer.weights:
-            view = np.asarray(w.data).view()
-            view.flags.writeable = False
-            self.weights.append(view)
-            f32 = view.view(np.float32) if w.type == GGMLType.F32 else _NO_F32
-            self.weights32.append(f32)
-        self.wtypes = np.array([int(w.type) for w in tracer.weights], np.int64)
+        # (address, rows, row bytes, type) of each weight; the arrays are kept alive here
+        self.weights = [np.ascontiguousarray(w.data) for w in tracer.weights]
+        self.wmeta = np.array(
+            [
+                (a.ctypes.data, a.shape[0], a.shape[1], int(w.type))
+                for a, w in zip(self.weights, tracer.weights, strict=True)
+            ],
+            np.int64,
+        ).reshape(-1, 4)
         self.consts = (
             np.concatenate(tracer.consts) if tracer.consts else np.zeros(0, np.float32)
         ).astype(np.float32)
@@ -889,31 +937,23 @@ class _Program:
         self.traced_size = tracer.arena_size  # the arena without reuse
         self.trusted = False
 
-    def run(self, tokens, positions, starts, k_caches, v_caches, n_tasks: int):
+    def run(self, tokens, positions, starts, cmeta, n_tasks: int):
         w = self.embedding
         rows = kernels.get_rows(w.data, tokens, w.type, w.k)
         self.arena[self.embd_offset : self.embd_offset + rows.size] = rows.reshape(-1)
         _run(
             self.code,
             self.fargs,
-            self.weights,
-            self.weights32,
-            self.wtypes,
+            self.wmeta,
             self.consts,
             self.arena,
-            k_caches,
-            v_caches,
+            cmeta,
             positions,
             starts,
             n_tasks,
             ggml_math.gelu_table(),
         )
         return [self.arena[o.offset : o.offset + o.size].reshape(o.shape).copy() for o in self.outs]
-
-
-# the float32 view given for weights that are not F32 (read-only, as the F32 views are)
-_NO_F32 = np.zeros((0, 0), np.float32)
-_NO_F32.flags.writeable = False
 
 
 def _cache_blocks(cache) -> tuple[np.ndarray, np.ndarray] | None:
@@ -970,7 +1010,6 @@ class StepCompiler:
         self.backend = backend
         # model -> {batch shape: program, False (untraceable) or a count of sightings}
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._lists: dict[tuple, tuple] = {}  # typed lists of cache blocks, by the blocks
 
     def program(self, model, shape=((1, None),)):
         """The program of ``shape`` for ``model`` (None before it was traced; False if it
@@ -1008,9 +1047,11 @@ class StepCompiler:
             [np.arange(s.start, s.start + len(s.tokens), dtype=np.int64) for s in segments]
         )
         starts = np.array([s.start for s in segments], np.int64)
-        k_caches, v_caches = self._cache_lists(blocks)
+        cmeta = np.array(
+            [[(a.ctypes.data, *a.shape) for a in pair] for pair in blocks], np.int64
+        )  # (segments, K/V, address and 4 dims)
         n_tasks = max(1, 4 * nb.get_num_threads())
-        args = (tokens, positions, starts, k_caches, v_caches, n_tasks)
+        args = (tokens, positions, starts, cmeta, n_tasks)
         if entry.trusted:
             return entry.run(*args)
         # the program first, then the op-by-op pass, whose cache rows are the ones kept
@@ -1023,21 +1064,6 @@ class StepCompiler:
         else:
             programs[shape] = False
         return expected
-
-    def _cache_lists(self, blocks):
-        """Typed lists of the segments' K and V blocks, made once per set of caches."""
-        key = tuple(id(k) for k, _ in blocks)
-        hit = self._lists.get(key)
-        if hit is not None and all(a is k for a, (k, _) in zip(hit[0], blocks, strict=True)):
-            return hit[1], hit[2]
-        k_list, v_list = List(), List()
-        for k, v in blocks:
-            k_list.append(k)
-            v_list.append(v)
-        if len(self._lists) >= 64:
-            self._lists.clear()
-        self._lists[key] = (tuple(k for k, _ in blocks), k_list, v_list)
-        return k_list, v_list
 
     def _trace(self, model, segments):
         tracer = _Tracer(self.backend, segments)
