@@ -216,6 +216,8 @@ ROW_GROUPED = [
     GGMLType.Q5_0,
     GGMLType.Q5_1,
     GGMLType.Q8_0,
+    GGMLType.Q4_K,
+    GGMLType.Q6_K,
 ]
 
 

@@ -300,11 +300,12 @@ def _simd_parts(qtype: int):
     @njit(inline="always")
     def rows_k(w, xq, xd, xs, bsums, out, r_lo, r_hi):
         n = xq.shape[0]
-        if n < 4:  # each weight row read from memory once, then from L1 for the next x rows
+        if n == 1:
             for r in range(r_lo, r_hi):
-                for i in range(n):
-                    vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
+                vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, 0, out)
             return
+        # a batch: each weight row read from memory once per tile, its super-blocks
+        # loaded once per pass over up to 4 rows of x
         for i0 in range(0, n, TILE_ROWS):
             i1 = min(n, i0 + TILE_ROWS)
             for r in range(r_lo, r_hi):
@@ -312,9 +313,12 @@ def _simd_parts(qtype: int):
                 while i + 4 <= i1:
                     vec_dot_rows(qtype, 4, 1, w, r, xq, xd, xs, bsums, i, out)
                     i += 4
-                while i < i1:
+                if i1 - i == 3:
+                    vec_dot_rows(qtype, 3, 1, w, r, xq, xd, xs, bsums, i, out)
+                elif i1 - i == 2:
+                    vec_dot_rows(qtype, 2, 1, w, r, xq, xd, xs, bsums, i, out)
+                elif i1 - i == 1:
                     vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
-                    i += 1
 
     @njit(inline="always")
     def rows_legacy(w, xq, xd, xs, bsums, out, r_lo, r_hi):
