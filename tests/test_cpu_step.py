@@ -223,3 +223,40 @@ def test_arena_is_reused(tmp_path):
     logits = program.outs[0].size
     # what is not the logits (live to the end) needs far less room than it was traced with
     assert program.arena.size - logits < (program.traced_size - logits) / 3
+
+
+def test_two_threads_stepping_one_engine(tmp_path):
+    """Compiled steps release the GIL, so two sequences of one model may step at once in
+    two threads; each gets the logits it gets alone (the program's buffers are taken in
+    turn)."""
+    import threading
+
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    backend = get_backend("cpu", n_threads=2)
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+
+        def decode(tokens, out):
+            cache = model.new_cache(64)
+            model.forward(np.array(PROMPT), 0, cache)
+            for i, tok in enumerate(tokens):
+                out.append(model.forward(np.array([tok]), len(PROMPT) + i, cache))
+
+        seqs = [DECODE * 3, DECODE[::-1] * 3]
+        alone = [[], []]
+        for toks, out in zip(seqs, alone, strict=True):
+            decode(toks, out)
+        assert backend._steps.program(model).trusted
+        together = [[], []]
+        threads = [
+            threading.Thread(target=decode, args=(toks, out))
+            for toks, out in zip(seqs, together, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for a, b in zip(alone, together, strict=True):
+            assert len(b) == len(a)
+            assert np.array_equal(np.concatenate(a), np.concatenate(b))

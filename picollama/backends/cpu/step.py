@@ -24,6 +24,7 @@ the op-by-op path's logits exactly.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numba as nb
@@ -936,24 +937,29 @@ class _Program:
         self.arena = np.zeros(max(size, 1), np.float32)
         self.traced_size = tracer.arena_size  # the arena without reuse
         self.trusted = False
+        self._lock = threading.Lock()
 
     def run(self, tokens, positions, starts, cmeta, n_tasks: int):
         w = self.embedding
         rows = kernels.get_rows(w.data, tokens, w.type, w.k)
-        self.arena[self.embd_offset : self.embd_offset + rows.size] = rows.reshape(-1)
-        _run(
-            self.code,
-            self.fargs,
-            self.wmeta,
-            self.consts,
-            self.arena,
-            cmeta,
-            positions,
-            starts,
-            n_tasks,
-            ggml_math.gelu_table(),
-        )
-        return [self.arena[o.offset : o.offset + o.size].reshape(o.shape).copy() for o in self.outs]
+        # one run at a time: the arena is the program's, and runs release the GIL (two
+        # sequences of one engine may step in two threads)
+        with self._lock:
+            self.arena[self.embd_offset : self.embd_offset + rows.size] = rows.reshape(-1)
+            _run(
+                self.code,
+                self.fargs,
+                self.wmeta,
+                self.consts,
+                self.arena,
+                cmeta,
+                positions,
+                starts,
+                n_tasks,
+                ggml_math.gelu_table(),
+            )
+            arena = self.arena
+            return [arena[o.offset : o.offset + o.size].reshape(o.shape).copy() for o in self.outs]
 
 
 def _cache_blocks(cache) -> tuple[np.ndarray, np.ndarray] | None:
