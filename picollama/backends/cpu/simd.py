@@ -107,12 +107,7 @@ class _Ops:
         dependency on whatever the register held, the accumulator chain among others."""
         b = self.b
         at = b.sub(offset, ir.Constant(offset.type, 2)) if last else offset
-        word = self.load(ptr, at, I32)
-        if last:
-            # through an empty asm statement, or LLVM narrows the load back to the half
-            fnty = ir.FunctionType(I32, [I32])
-            word = b.call(ir.InlineAsm(fnty, "", "=r,0", side_effect=False), [word])
-        pair = b.fpext(b.bitcast(word, _vec(F16, 2)), _vec(F32, 2))
+        pair = b.fpext(b.bitcast(self.load(ptr, at, I32), _vec(F16, 2)), _vec(F32, 2))
         return b.extract_element(pair, ir.Constant(I32, 1 if last else 0))
 
     def load_f16_pair(self, ptr, offset):
