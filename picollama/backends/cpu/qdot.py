@@ -50,6 +50,7 @@ from picollama.backends.cpu.qdot_act import (
 from picollama.backends.cpu.simd import (
     HAS_AVX512BW,
     LEGACY_TYPES,
+    PACKED_OFFSET,
     SIMD_TYPES,
     vec_dot_packed,
     vec_dot_rows,
@@ -213,34 +214,34 @@ def _quant_kernel(qtype: int):
 PACKED_GROUP = 8 if HAS_AVX512BW else 4
 
 
-def _vec_dot_packed_few(qtype, count, w, r, xqp, xdp, xsp, t, out, i):
+def _vec_dot_packed_few(qtype, count, w, r, xqp, xdp, xsp, xcp, t, out, i):
     """``vec_dot_packed`` of ``count`` rows, 0..PACKED_GROUP - 1 known at run time only
     (compiled code only, ``qtype`` a literal)."""
     raise NotImplementedError("_vec_dot_packed_few is only callable from Numba-compiled code")
 
 
 @overload(_vec_dot_packed_few, inline="always")
-def _vec_dot_packed_few_overload(qtype, count, w, r, xqp, xdp, xsp, t, out, i):
+def _vec_dot_packed_few_overload(qtype, count, w, r, xqp, xdp, xsp, xcp, t, out, i):
     if not isinstance(qtype, types.IntegerLiteral):
         return None
     q = qtype.literal_value
     assert PACKED_GROUP <= 8
 
-    def impl(qtype, count, w, r, xqp, xdp, xsp, t, out, i):
+    def impl(qtype, count, w, r, xqp, xdp, xsp, xcp, t, out, i):
         if count == 1:
-            vec_dot_packed(q, 1, w, r, xqp, xdp, xsp, t, out, i)
+            vec_dot_packed(q, 1, w, r, xqp, xdp, xsp, xcp, t, out, i)
         elif count == 2:
-            vec_dot_packed(q, 2, w, r, xqp, xdp, xsp, t, out, i)
+            vec_dot_packed(q, 2, w, r, xqp, xdp, xsp, xcp, t, out, i)
         elif count == 3:
-            vec_dot_packed(q, 3, w, r, xqp, xdp, xsp, t, out, i)
+            vec_dot_packed(q, 3, w, r, xqp, xdp, xsp, xcp, t, out, i)
         elif count == 4:
-            vec_dot_packed(q, 4, w, r, xqp, xdp, xsp, t, out, i)
+            vec_dot_packed(q, 4, w, r, xqp, xdp, xsp, xcp, t, out, i)
         elif count == 5:
-            vec_dot_packed(q, 5, w, r, xqp, xdp, xsp, t, out, i)
+            vec_dot_packed(q, 5, w, r, xqp, xdp, xsp, xcp, t, out, i)
         elif count == 6:
-            vec_dot_packed(q, 6, w, r, xqp, xdp, xsp, t, out, i)
+            vec_dot_packed(q, 6, w, r, xqp, xdp, xsp, xcp, t, out, i)
         elif count == 7:
-            vec_dot_packed(q, 7, w, r, xqp, xdp, xsp, t, out, i)
+            vec_dot_packed(q, 7, w, r, xqp, xdp, xsp, xcp, t, out, i)
 
     return impl
 
@@ -320,6 +321,8 @@ def _simd_parts(qtype: int):
                 elif i1 - i == 1:
                     vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
 
+    with_offset = GGMLType(qtype) in PACKED_OFFSET
+
     @njit(inline="always")
     def rows_legacy(w, xq, xd, xs, bsums, out, r_lo, r_hi):
         n = xq.shape[0]
@@ -338,6 +341,7 @@ def _simd_parts(qtype: int):
             xqp = np.empty((nb, c * 32), np.int8)
             xdp = np.empty((nb, c), np.float32)
             xsp = np.empty((nb, c if with_sum else 0), np.float32)
+            xcp = np.empty((nb, c * 8 if with_offset else 0), np.int32)
             for u in range(c):
                 for blk in range(nb):
                     xdp[blk, u] = xd[i0 + u, blk]
@@ -345,12 +349,18 @@ def _simd_parts(qtype: int):
                         xsp[blk, u] = xs[i0 + u, blk]
                     for j in range(32):
                         xqp[blk, 32 * u + j] = xq[i0 + u, 32 * blk + j]
+                    if with_offset:
+                        for g in range(8):
+                            e = 32 * blk + 4 * g
+                            s4 = np.int32(xq[i0 + u, e]) + np.int32(xq[i0 + u, e + 1])
+                            s4 += np.int32(xq[i0 + u, e + 2]) + np.int32(xq[i0 + u, e + 3])
+                            xcp[blk, 8 * u + g] = -128 * s4
             for r in range(r_lo, r_hi):
                 t = 0
                 while t + PACKED_GROUP <= c:
-                    vec_dot_packed(qtype, PACKED_GROUP, w, r, xqp, xdp, xsp, t, out, i0 + t)
+                    vec_dot_packed(qtype, PACKED_GROUP, w, r, xqp, xdp, xsp, xcp, t, out, i0 + t)
                     t += PACKED_GROUP
-                _vec_dot_packed_few(qtype, c - t, w, r, xqp, xdp, xsp, t, out, i0 + t)
+                _vec_dot_packed_few(qtype, c - t, w, r, xqp, xdp, xsp, xcp, t, out, i0 + t)
 
     rows = rows_legacy if GGMLType(qtype) in LEGACY_TYPES else rows_k
     return quantize, rows

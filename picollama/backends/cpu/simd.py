@@ -52,6 +52,7 @@ __all__ = [
     "HAS_AVX512BW",
     "vec_dot_rows",
     "vec_dot_packed",
+    "PACKED_OFFSET",
 ]
 
 _FEATURES = HOST_FEATURES if llvm.get_process_triple().startswith("x86_64") else ""
@@ -173,15 +174,18 @@ class _Ops:
     def mul_sum_i8_pairs_float(self, x, y):
         return self.mul_sum_us8_pairs_float(self.sign(x, x), self.sign(y, x))
 
-    def dot_us8_512(self, ax, sy):
+    def dot_us8_512(self, ax, sy, init=None):
         """Sums of four adjacent u8 * s8 products, 64 bytes to 16 int32 lanes (AVX-512):
         vpdpbusd with VNNI, else pmaddubsw and pmaddwd by ones (the same sums where no
-        pair of products saturates int16, as in ``mul_sum_us8_pairs_float``)."""
+        pair of products saturates int16, as in ``mul_sum_us8_pairs_float``). ``init``
+        (VNNI only): <16 x i32> added to the sums, exactly."""
         b = self.b
         v16 = _vec(I32, 16)
         if HAS_VNNI:
             fn = self._intrinsic("llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
-            return b.call(fn, [_splat(I32, 16, 0), b.bitcast(ax, v16), b.bitcast(sy, v16)])
+            acc = _splat(I32, 16, 0) if init is None else init
+            return b.call(fn, [acc, b.bitcast(ax, v16), b.bitcast(sy, v16)])
+        assert init is None
         maddubs = self._intrinsic(
             "llvm.x86.avx512.pmaddubs.w.512", _vec(I16, 32), [_vec(I8, 64), _vec(I8, 64)]
         )
@@ -348,11 +352,11 @@ def _define_packed(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Functi
     except KeyError:
         pass
     p8 = I8.as_pointer()
-    fnty = ir.FunctionType(ir.VoidType(), [p8, p8, I64, p8, I64, p8, I64, p8, I64])
+    fnty = ir.FunctionType(ir.VoidType(), [p8, p8, I64, p8, I64, p8, p8, I64, I64, p8, I64])
     fn = ir.Function(module, fnty, name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
-    w, xq, sq, xd, sd, xs, nb, out, so = fn.args
+    w, xq, sq, xd, sd, xs, yc, sc, nb, out, so = fn.args
     entry = fn.append_basic_block("entry")
     loop = fn.append_basic_block("loop")
     done = fn.append_basic_block("done")
@@ -386,19 +390,32 @@ def _define_packed(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Functi
         summs1 = b.fadd(summs, b.fmul(splat_n(m), sy))
     ax = o.sign(qx, qx) if signed else qx
     qoff = b.mul(i, sq)
+    # VNNI, signed quants: (qx + 128) . qy - 128 * (sum of qy's group of 4), the same exact
+    # int32 sums as |qx| . sign(qy, qx) without the per-row sign: the second term comes
+    # with the packed rows (``yc``), as vpdpbusd's starting value
+    offset = signed and HAS_VNNI
+    if offset:
+        ax_off = b.xor(qx, _splat(I8, 32, -128))  # qx + 128 as u8
+        ax_off2 = b.shuffle_vector(ax_off, ax_off, _mask(list(range(32)) * 2))
+        coff = b.mul(i, sc)
     new = []
     for g, acc in zip(groups, accs, strict=True):
         if len(g) == 2:
             qy = o.load(xq, b.add(qoff, ir.Constant(I64, 32 * g[0])), _vec(I8, 64))
             qx2 = b.shuffle_vector(qx, qx, _mask(list(range(32)) * 2))
-            if signed:  # psign: qy negated where qx < 0, zeroed where qx == 0
-                zero = _splat(I8, 64, 0)
-                neg = b.select(b.icmp_signed("<", qx2, zero), b.sub(zero, qy), qy)
-                sy2 = b.select(b.icmp_signed("==", qx2, zero), zero, neg)
+            if offset:
+                init = o.load(yc, b.add(coff, ir.Constant(I64, 32 * g[0])), _vec(I32, 16))
+                isum = o.dot_us8_512(ax_off2, qy, init)
             else:
-                sy2 = qy
-            ax2 = b.shuffle_vector(ax, ax, _mask(list(range(32)) * 2))
-            q = b.sitofp(o.dot_us8_512(ax2, sy2), _vec(F32, 16))
+                if signed:  # psign: qy negated where qx < 0, zeroed where qx == 0
+                    zero = _splat(I8, 64, 0)
+                    neg = b.select(b.icmp_signed("<", qx2, zero), b.sub(zero, qy), qy)
+                    sy2 = b.select(b.icmp_signed("==", qx2, zero), zero, neg)
+                else:
+                    sy2 = qy
+                ax2 = b.shuffle_vector(ax, ax, _mask(list(range(32)) * 2))
+                isum = o.dot_us8_512(ax2, sy2)
+            q = b.sitofp(isum, _vec(F32, 16))
             d = b.shuffle_vector(scales, scales, _mask([g[0]] * 8 + [g[1]] * 8))
             fn16 = o._intrinsic("llvm.fma.v16f32", _vec(F32, 16), [_vec(F32, 16)] * 3)
             new.append(b.call(fn16, [d, q, acc]))
@@ -637,6 +654,10 @@ _LEGACY = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.
 _K = (GGMLType.Q4_K, GGMLType.Q6_K)
 SIMD_TYPES: frozenset[GGMLType] = frozenset(_LEGACY + _K)
 LEGACY_TYPES: frozenset[GGMLType] = frozenset(_LEGACY)  # the 32-weight ones
+# the types whose packed activations carry -128 * their sums of 4 (``vec_dot_packed``)
+PACKED_OFFSET: frozenset[GGMLType] = (
+    frozenset((GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0)) if HAS_VNNI else frozenset()
+)
 
 
 def _define(module: ir.Module, qtype: GGMLType, n_rows: int, n_wrows: int) -> ir.Function:
@@ -795,12 +816,14 @@ def vec_dot_rows(typingctx, qtype, n_rows, n_wrows, w, r, xq, xd, xs, bsums, i, 
 
 
 @intrinsic
-def vec_dot_packed(typingctx, qtype, n_rows, w, r, xqp, xdp, xsp, t, out, i):
-    """``vec_dot_packed(qtype, n_rows, w, r, xqp, xdp, xsp, t, out, i)``: for k in
+def vec_dot_packed(typingctx, qtype, n_rows, w, r, xqp, xdp, xsp, xcp, t, out, i):
+    """``vec_dot_packed(qtype, n_rows, w, r, xqp, xdp, xsp, xcp, t, out, i)``: for k in
     0..n_rows-1, ``out[i + k, r]`` = ggml's vec_dot of weight row ``r`` with row ``t + k``
     of activations of a 32-weight type packed block-major: ``xqp`` int8 (nb, c * 32), row
     u's quants of block b at ``xqp[b, 32 u : 32 u + 32]``; ``xdp`` float32 (nb, c) its
-    scales, ``xsp`` float32 (nb, c) its Q8_1 sums (Q4_1, Q5_1; else unused). Adjacent rows
+    scales, ``xsp`` float32 (nb, c) its Q8_1 sums (Q4_1, Q5_1; else unused), ``xcp`` int32
+    (nb, c * 8) -128 times the sums of its quants four by four (Q4_0, Q5_0, Q8_0 where the
+    CPU has VNNI, ``PACKED_OFFSET``; else unused). Adjacent rows
     then sit side by side, so two of them fill one 512-bit register (``_define``).
     ``qtype`` and ``n_rows`` are literals."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (qtype, n_rows)):
@@ -809,11 +832,11 @@ def vec_dot_packed(typingctx, qtype, n_rows, w, r, xqp, xdp, xsp, t, out, i):
     if qt not in _LEGACY:
         return None
     count = n_rows.literal_value
-    sig = types.void(qtype, n_rows, w, r, xqp, xdp, xsp, t, out, i)
+    sig = types.void(qtype, n_rows, w, r, xqp, xdp, xsp, xcp, t, out, i)
 
     def codegen(context, builder, signature, args):
-        _, _, w_t, r_t, xq_t, xd_t, xs_t, t_t, out_t, i_t = signature.args
-        _, _, w_v, r_v, xq_v, xd_v, xs_v, t_v, out_v, i_v = args
+        _, _, w_t, r_t, xq_t, xd_t, xs_t, xc_t, t_t, out_t, i_t = signature.args
+        _, _, w_v, r_v, xq_v, xd_v, xs_v, xc_v, t_v, out_v, i_v = args
         fn = _define_packed(builder.module, qt, count)
         intp = context.get_value_type(types.intp)
         r_ = context.cast(builder, r_v, r_t, types.intp)
@@ -823,6 +846,7 @@ def vec_dot_packed(typingctx, qtype, n_rows, w, r, xqp, xdp, xsp, t, out, i):
         qd, qs, _ = _array_parts(context, builder, xq_t, xq_v)
         dd, ds, _ = _array_parts(context, builder, xd_t, xd_v)
         sd_, _, _ = _array_parts(context, builder, xs_t, xs_v)
+        cd, cs, _ = _array_parts(context, builder, xc_t, xc_v)
         od, os_, _ = _array_parts(context, builder, out_t, out_v)
         ary = context.make_array(xq_t)(context, builder, xq_v)
         nb = cgutils.unpack_tuple(builder, ary.shape, 2)[0]
@@ -838,6 +862,8 @@ def vec_dot_packed(typingctx, qtype, n_rows, w, r, xqp, xdp, xsp, t, out, i):
                 builder.gep(dd, [t4]),
                 ds,
                 builder.gep(sd_, [t4]) if with_sum else ir.Constant(I8.as_pointer(), None),
+                builder.gep(cd, [builder.mul(t_, ir.Constant(intp, 32))]),
+                cs,
                 nb,
                 builder.gep(od, [out_at]),
                 os_,
