@@ -227,6 +227,20 @@ class _Ops:
         return b.fadd(e0, e1)
 
 
+def inline_function(module: ir.Module, name: str, arg_types: list) -> tuple[ir.Function, bool]:
+    """The module's internal, always-inlined void function ``name`` of ``arg_types``:
+    ``(fn, True)`` when it was just declared (the caller builds its body), ``(fn, False)``
+    when the module already has it."""
+    try:
+        return module.get_global(name), False
+    except KeyError:
+        pass
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), arg_types), name)
+    fn.linkage = "internal"
+    fn.attributes.add("alwaysinline")
+    return fn, True
+
+
 # -- the functions ------------------------------------------------------------------------
 
 # Arguments of every vec_dot function: the weight row, the activation quants, block scales,
@@ -347,15 +361,10 @@ def _define_packed(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Functi
     """
     isa = "vnni" if HAS_VNNI else "avx512" if HAS_AVX512BW else "avx2" if HAS_AVX2 else "generic"
     name = f"picollama_vec_dot_packed_{qtype.name.lower()}_{n_rows}_{isa}"
-    try:
-        return module.get_global(name)
-    except KeyError:
-        pass
     p8 = I8.as_pointer()
-    fnty = ir.FunctionType(ir.VoidType(), [p8, p8, I64, p8, I64, p8, p8, I64, I64, p8, I64])
-    fn = ir.Function(module, fnty, name)
-    fn.linkage = "internal"
-    fn.attributes.add("alwaysinline")
+    fn, new = inline_function(module, name, [p8, p8, I64, p8, I64, p8, p8, I64, I64, p8, I64])
+    if not new:
+        return fn
     w, xq, sq, xd, sd, xs, yc, sc, nb, out, so = fn.args
     entry = fn.append_basic_block("entry")
     loop = fn.append_basic_block("loop")
@@ -674,15 +683,10 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int, n_wrows: int) -> ir
     """
     isa = "vnni" if HAS_VNNI else "avx2" if HAS_AVX2 else "generic"
     name = f"picollama_vec_dot_{qtype.name.lower()}_{n_wrows}x{n_rows}_{isa}"
-    try:
-        return module.get_global(name)
-    except KeyError:
-        pass
     p8 = I8.as_pointer()
-    fnty = ir.FunctionType(ir.VoidType(), [p8, I64, p8, I64, p8, I64, p8, I64, I64, p8, I64])
-    fn = ir.Function(module, fnty, name)
-    fn.linkage = "internal"
-    fn.attributes.add("alwaysinline")
+    fn, new = inline_function(module, name, [p8, I64, p8, I64, p8, I64, p8, I64, I64, p8, I64])
+    if not new:
+        return fn
     w, sw, xq, sq, xd, sd, xs, ss, nb, out, so = fn.args
     entry = fn.append_basic_block("entry")
     loop = fn.append_basic_block("loop")

@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from picollama.backends.cpu.intrinsics import HAS_F16C
-from picollama.backends.cpu.simd import HAS_AVX512BW
+from picollama.backends.cpu.simd import HAS_AVX512BW, inline_function
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["FLOAT_TYPES", "FLOAT_GROUP", "float_dot_rows"]
@@ -134,14 +134,10 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     type) with the k float32 at ``x + t * x_stride`` (strides in bytes)."""
     isa = "f16c" if HAS_F16C else "generic"
     name = f"picollama_float_dot_{qtype.name.lower()}_{n_rows}_{isa}"
-    try:
-        return module.get_global(name)
-    except KeyError:
-        pass
     p8 = I8.as_pointer()
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [p8, p8, I64, I64, p8, I64]), name)
-    fn.linkage = "internal"
-    fn.attributes.add("alwaysinline")
+    fn, new = inline_function(module, name, [p8, p8, I64, I64, p8, I64])
+    if not new:
+        return fn
     w, x, sx, k, out, so = fn.args
     entry = fn.append_basic_block("entry")
     loop = fn.append_basic_block("loop")
