@@ -5,7 +5,11 @@
 libraries only when they are asked for.
 """
 
+from picollama import jit_cache
+
 __version__ = "0.1.0"
+
+jit_cache.configure()  # before any module defines a cached kernel
 
 __all__ = ["__version__", "Llama"]
 

@@ -308,8 +308,8 @@ stack_f64.__doc__ = "``stack_f64(N)``: like ``stack_f32``, for float64."
 
 # PICOLLAMA_CPU_ISA: "native" (default) uses what the CPU has; "avx2" leaves out AVX-512;
 # "generic" leaves out every x86 instruction we ask for by name (F16C, AVX2, VNNI), the
-# code a CPU without them runs (how the tests check that fallback on any machine; use a
-# separate NUMBA_CACHE_DIR, since Numba's cache does not know this setting).
+# code a CPU without them runs (how the tests check that fallback on any machine). Numba's
+# cache does not know this setting: picollama.jit_cache puts each setting's code apart.
 CPU_ISA = os.environ.get("PICOLLAMA_CPU_ISA", "native")
 if CPU_ISA not in ("native", "avx2", "generic"):
     raise ValueError(f"PICOLLAMA_CPU_ISA must be native, avx2 or generic, not {CPU_ISA!r}")
