@@ -231,17 +231,19 @@ def test_int8_matvec_fusions(be):
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("k", [512, 2048])
 @pytest.mark.parametrize("neox,n_rot,hdv", [(False, 64, 64), (True, 64, 64), (False, 32, 32)])
-def test_int8_qkv_rope_store(be, neox, n_rot, hdv):
+def test_int8_qkv_rope_store(be, neox, n_rot, hdv, k):
     """The decode graphs' Q/K/V launch with RoPE and the KV cache write folded in (the
     kernel takes rows in RoPE's pairs and turns them with rope's float32 operations) equals
     matmul, rope, rope and store_kv run one by one, bit for bit: q, k and every cache row
     (the one written and the ones it must leave alone). GQA 4:2, head_dim 64, partial
-    rotation (n_rot 32, v heads of 32) and both pair orders, at a position past 0."""
+    rotation (n_rot 32, v heads of 32) and both pair orders, at a position past 0; k = 2048:
+    rows that matvec_q8_n1_rope_cp takes where it is built (mmvq.cu, MVQ_CP)."""
     from picollama.backends.cuda.backend import _Matvec, _RopeStore
 
-    rng = np.random.default_rng(31 + n_rot + int(neox))
-    k, hd, n_heads, n_kv, n_ctx, pos = 512, 64, 4, 2, 8, 5
+    rng = np.random.default_rng(31 + n_rot + int(neox) + k)
+    hd, n_heads, n_kv, n_ctx, pos = 64, 4, 2, 8, 5
     shapes = (
         (GGMLType.Q4_K, n_heads * hd),
         (GGMLType.Q4_K, n_kv * hd),
@@ -277,6 +279,8 @@ def test_int8_qkv_rope_store(be, neox, n_rot, hdv):
         dev_pos, dev_pos, caches[1].k[0], caches[1].v[0], hd, hdv, n_rot, neox, n_ctx,
         theta_scale, np.float32(scale),
     )  # fmt: skip
+    staged = be._quant_kernels(GGMLType.Q4_K).matvec_q8_cp is not None
+    assert bool(be._cp_smem(mv, be._quant_kernels(GGMLType.Q4_K))) == (staged and k == 2048)
     with be._stream:
         mv.run()
     np.testing.assert_array_equal(be.to_host(ys[0]), be.to_host(q_ref).reshape(1, -1))
@@ -326,6 +330,128 @@ def test_int8_matvec_wide_x(be, qtype, monkeypatch):
     np.testing.assert_array_equal(wide[1], narrow[1])
     err = np.abs(wide[0] - x.astype(np.float64) @ W64.T)
     assert np.all(err <= _int8_bound(x, W64, _weight_magnitude(raw, qtype, m, k)))
+
+
+class _Counted:
+    """A kernel that counts its (eager) launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, 0
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.kernel(*args, **kwargs)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_int8_matvec_small_grid(be, qtype, monkeypatch):
+    """One token of a weight with few rows (a grid of 8-warp blocks that leaves half the SMs
+    idle) takes matvec_q8_n1_small, not 16-warp blocks: every row is the same warp's dot,
+    so the outputs equal the 16-warp kernel's bit for bit, plain, with a residual and with a
+    folded RMS norm (k / 4 <= 256 values a block: each thread squares the same one in both
+    block sizes and the sums meet the same zeros). m = 75: an odd last row pair."""
+    from picollama.backends.cuda.backend import _Matvec
+
+    rng = np.random.default_rng(55 + int(qtype))
+    k, m = 3 * 256, 75
+    raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
+    wt = be.weight("w", qtype, (k, m), raw)
+    kernels = be._quant_kernels(qtype)
+    assert kernels.matvec_q8_small is not None
+    assert kernels.mvq_small_warps < kernels.mvq_warps
+    x = be.from_host(rng.standard_normal((1, k)).astype(np.float32))
+    norm_w = be.from_host(rng.uniform(0.5, 1.5, k).astype(np.float32))
+    resid = be.from_host(rng.standard_normal((1, m)).astype(np.float32))
+
+    def outputs():
+        out = [be.to_host(be.matmul(x, wt))]
+        for norm, add in ((True, False), (False, True), (True, True)):
+            y = be._empty((1, m))
+            mv = _Matvec(be, True, wt.data, y, x, 1)
+            if norm:
+                mv.norm_w, mv.eps = norm_w, 1e-5
+            if add:
+                mv.resid = resid
+            with be._stream:
+                mv.run()
+            out.append(be.to_host(y))
+        return out
+
+    counted = _Counted(kernels.matvec_q8_small)
+    monkeypatch.setattr(kernels, "matvec_q8_small", counted)
+    small = outputs()
+    assert counted.calls == 4
+    monkeypatch.setattr(kernels, "matvec_q8_small", None)
+    big = outputs()
+    for a, b in zip(small, big, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("k_blocks", [8, 24])
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_int8_matvec_through_shared_memory(be, qtype, k_blocks, monkeypatch):
+    """One token of a weight whose rows are whole units of matvec_q8_n1_cp (the weights
+    streamed through shared memory by cp.async) takes that kernel, and equals the register
+    kernels bit for bit: each lane takes the same chunks in the same order. Plain, with a
+    folded RMS norm, a residual, both, three weights in one launch, and gate+up with SiLU;
+    rows of 1 and 3 units (k = 2048, 6144), m = 75: an odd last row pair. (The norm's float64
+    sum goes through 8-warp blocks here and 16-warp ones there: the same float32 scale unless
+    the sums straddle a rounding boundary, odds ~1e-6.)"""
+    from picollama.backends.cuda.backend import _Matvec
+
+    rng = np.random.default_rng(77 + int(qtype) + k_blocks)
+    k, m = k_blocks * 256, 75
+    weights = []
+    for mi in (m, 32, 32):
+        raw = quantize(rng.standard_normal((mi, k)).astype(np.float32), qtype).reshape(mi, -1)
+        weights.append(be.weight("w", qtype, (k, mi), raw))
+    kernels = be._quant_kernels(qtype)
+    if kernels.matvec_q8_cp is None:
+        pytest.skip("built without the shared-memory matvec (mmvq.cu: MVQ_CP=0, the default)")
+    assert be._cp_smem(_Matvec(be, True, weights[0].data, None, None, 1), kernels) > 0
+    x = be.from_host(rng.standard_normal((1, k)).astype(np.float32))
+    norm_w = be.from_host(rng.uniform(0.5, 1.5, k).astype(np.float32))
+    resid = be.from_host(rng.standard_normal((1, m)).astype(np.float32))
+
+    def outputs():
+        out = [be.to_host(be.matmul(x, weights[0]))]
+        for norm, add in ((True, False), (False, True), (True, True)):
+            y = be._empty((1, m))
+            mv = _Matvec(be, True, weights[0].data, y, x, 1)
+            if norm:
+                mv.norm_w, mv.eps = norm_w, 1e-5
+            if add:
+                mv.resid = resid
+            with be._stream:
+                mv.run()
+            out.append(be.to_host(y))
+        ys = [be._empty((1, w.m)) for w in weights]
+        mv = _Matvec(be, True, weights[0].data, ys[0], x, 1)
+        mv.weights += [weights[1].data, weights[2].data]
+        mv.ys += ys[1:]
+        with be._stream:
+            mv.run()
+        out += [be.to_host(y) for y in ys]
+        y = be._empty((1, 32))
+        mv = _Matvec(be, True, weights[1].data, y, x, 1)
+        mv.weights.append(weights[2].data)
+        mv.act = 1
+        with be._stream:
+            mv.run()
+        out.append(be.to_host(y))
+        return out
+
+    counted = _Counted(kernels.matvec_q8_cp)
+    monkeypatch.setattr(kernels, "matvec_q8_cp", counted)
+    staged = outputs()
+    assert counted.calls == 6
+    monkeypatch.setattr(kernels, "matvec_q8_cp", None)
+    direct = outputs()
+    for a, b in zip(staged, direct, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_weight_rejects_bad_rows(be):

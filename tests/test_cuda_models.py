@@ -189,6 +189,42 @@ def test_graph_replay_equals_eager(model_file, fuse, arithmetic):
         np.testing.assert_array_equal(logits_g, logits_e)
 
 
+# rows of 2048: whole units of matvec_q8_n1_cp (mmvq.cu, MVQ_CP) for Q4_K and Q6_K
+WIDE = TinySpec(
+    n_layers=2,
+    n_embd=2048,
+    n_heads=16,
+    n_kv_heads=4,
+    head_dim=128,
+    n_ff=2048,
+    weight_type=GGMLType.Q4_K,
+    tied=False,
+    seed=13,
+    overrides={
+        **{f"blk.{i}.ffn_down.weight": ((2048, 2048), GGMLType.Q6_K) for i in range(2)},
+        "output.weight": ((2048, 258), GGMLType.Q6_K),
+    },
+)
+
+
+def test_graph_replay_equals_eager_wide_rows(tmp_path):
+    """Rows of 2048 weights, 16 heads of 128 in GQA groups of 4: where mmvq.cu is built with
+    MVQ_CP, the one-token Q4_K / Q6_K matvecs (Q/K/V with RoPE, attn_output, gate+up,
+    ffn_down, output) take the kernels that copy their weights into shared memory before
+    their dependent-launch wait (matvec_q8_n1_cp, run 11); else the register kernels. Fused
+    int8 graphs with programmatic launches against eager execution, within
+    test_graph_replay_equals_eager's bound for that case."""
+    _cuda()
+    path = tmp_path / "wide.gguf"
+    write_tiny_model(path, WIDE)
+    graphs = _cuda(graphs=True, dependent_launch=True)
+    tokens_g, logits_g = _greedy(graphs, path, n_gen=12)
+    tokens_e, logits_e = _greedy(_cuda(graphs=False), path, n_gen=12)
+    assert tokens_g == tokens_e
+    assert graphs.graph_stats["whole"] == 12 - 1 - _TRUST_AFTER
+    assert np.abs(logits_g - logits_e).max() <= 1e-4 * np.abs(logits_e).max()
+
+
 def test_two_sequences_alternating_fall_back_correctly(model_file):
     """Decode steps of two caches in turn: the graph recorded for one cache does not match
     the other, so steps fall back to eager execution, and every logit stays right."""

@@ -77,6 +77,7 @@ log = logging.getLogger("picollama.cuda")
 MV_MAX_TOKENS = 8  # rows of x that take the fused matrix-vector kernel (quant.cu)
 _MV_WARPS = 8  # warps per block of the matvec kernel (quant.cu)
 _MVQ_WIDE_K = 8192  # one token, x at least this wide: matvec_q8_n1_wide (mmvq.cu)
+_CP_BLOCKS = 1  # blocks per SM of a matvec_q8_n1_cp launch: the next launch's fits beside
 _MVQ_ROPE_PAIRS = 128  # matvec_q8_n1_rope: rotated pairs per head at most (mmvq.cu, s_cs)
 _MV_PAD = 36  # floats of shared memory per chunk of 32 values of x (quant.cu)
 _MV_SMEM_LIMIT = 200 << 10  # bytes of x in shared memory; more rows go through cuBLAS
@@ -128,7 +129,8 @@ class _Kernels:
 
     __slots__ = (
         "matvec", "dequant", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
-        "matvec_q8_rope", "mvq_warps",
+        "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_cp",
+        "matvec_q8_rope_cp", "cp_geom",
     )  # fmt: skip
 
     def __init__(self, matvec, dequant, get_rows):
@@ -136,7 +138,23 @@ class _Kernels:
         self.dequant = dequant
         self.get_rows = get_rows
         self.matvec_q8 = self.matvec_q8_n1 = self.matvec_q8_wide = self.matvec_q8_rope = None
+        self.matvec_q8_small = None  # matvec_q8_n1 in smaller blocks (mmvq.cu), if built
         self.mvq_warps = 8  # warps per block of the matvec_q8 kernels (mmvq.cu's MVQ_WARPS)
+        self.mvq_small_warps = 8  # the same of matvec_q8_small (MVQ_SMALL_WARPS)
+        # one token with the weights through shared memory (mmvq.cu's MVQ_CP), if built:
+        # plain / gate+up, Q/K/V with RoPE, and their _CpGeom
+        self.matvec_q8_cp = self.matvec_q8_rope_cp = self.cp_geom = None
+
+
+@dataclass(frozen=True)
+class _CpGeom:
+    """mmvq.cu's mvq_cp_geom: how the matvec_q8_n1_cp kernels stage the weights."""
+
+    warps: int  # warps per block
+    seg: int  # blocks of a row per unit (rows of a multiple of this only)
+    stages: int  # units in flight per warp
+    stage_bytes: int  # shared memory of one stage (two rows' units)
+    trigger: int  # where the kernels let the next launch in (common.cuh, pdl_trigger_at)
 
 
 class _Launch:
@@ -242,6 +260,10 @@ class _Trace:
         self.graph = None
         self.launch_at = -1  # the op after whose check the graph is launched
         self.n_graph_kernels = 0
+        # the logits as the graph leaves them in pinned host memory (None: the graph copies
+        # nothing; the step's parameters go up and the logits come back around it)
+        self.host = None
+        self.host_mem = None
 
 
 class _Step:
@@ -468,6 +490,13 @@ class CUDABackend(Backend):
             self._pdl.kernels = {id(k) for k in self._k_att_gqa.values()}
             self._pdl.kernels.add(id(self._k_rope_store))
         self.graph_stats["dependent_launch"] = self._pdl is not None
+        # decode graphs begin with the copy of token id and position to the device and end
+        # with the logits' copy to pinned host memory (False: both as separate calls around
+        # the graph, as before run 11; for comparisons)
+        self.graph_copies = True
+        # one-token Q4_K / Q6_K matvecs through matvec_q8_n1_cp where it is built and the
+        # shapes fit (False: the register kernels, as before run 11; for comparisons)
+        self.cp_matvec = True
         # eager mode: device copies of host index arrays, reused within one forward pass
         self._dev_pos_src = None
         self._dev_pos = None
@@ -495,6 +524,23 @@ class CUDABackend(Backend):
                         kernels.matvec_q8_rope = mod.get_function("matvec_q8_n1_rope")
                         # __launch_bounds__(MVQ_WARPS * 32) caps this at the block size
                         kernels.mvq_warps = kernels.matvec_q8_n1.max_threads_per_block // 32
+                        try:  # built only where its blocks are the smaller (Q4_K, Q6_K)
+                            small = mod.get_function("matvec_q8_n1_small")
+                        except cp.cuda.driver.CUDADriverError:
+                            small = None
+                        if small is not None:
+                            kernels.matvec_q8_small = small
+                            kernels.mvq_small_warps = small.max_threads_per_block // 32
+                        try:  # built for Q4_K and Q6_K (MVQ_CP)
+                            cp_kernel = mod.get_function("matvec_q8_n1_cp")
+                        except cp.cuda.driver.CUDADriverError:
+                            cp_kernel = None
+                        if cp_kernel is not None:
+                            geom = mod.get_global("mvq_cp_geom")
+                            values = cp.ndarray((5,), cp.int32, memptr=geom).get()
+                            kernels.cp_geom = _CpGeom(*(int(v) for v in values))
+                            kernels.matvec_q8_cp = cp_kernel
+                            kernels.matvec_q8_rope_cp = mod.get_function("matvec_q8_n1_rope_cp")
                     # x is staged in dynamic shared memory: allow more than 48 KiB
                     for kernel in (
                         kernels.matvec,
@@ -502,9 +548,20 @@ class CUDABackend(Backend):
                         kernels.matvec_q8_n1,
                         kernels.matvec_q8_wide,
                         kernels.matvec_q8_rope,
+                        kernels.matvec_q8_small,
+                        kernels.matvec_q8_cp,
+                        kernels.matvec_q8_rope_cp,
                     ):
                         if kernel is not None:
                             kernel.max_dynamic_shared_size_bytes = self._mv_smem_limit()
+                    for kernel in (kernels.matvec_q8_cp, kernels.matvec_q8_rope_cp):
+                        if kernel is not None:
+                            # all of the multiprocessor's L1 as shared memory, so that
+                            # two of these blocks (of successive launches) fit side by side
+                            try:
+                                kernel.preferred_shared_memory_carveout = 100
+                            except (AttributeError, cp.cuda.driver.CUDADriverError):
+                                pass
             except cp.cuda.compiler.CompileException as err:
                 raise BackendError(
                     f"the CUDA kernels for {qtype.name} did not compile: {err}"
@@ -743,10 +800,11 @@ class CUDABackend(Backend):
         self._params_host[0] = start
         self._params_host[1] = token
         with self._stream:
-            self._upload_params()
+            if trace.host is None:
+                self._upload_params()
             trace.graph.launch(stream=self._stream)
         t1 = time.perf_counter()
-        host = self._read_back(trace.ops[-1].out)
+        host = self._graph_logits(trace, trace.ops[-1].out)
         stats = self.graph_stats
         stats["host_s"] += t1 - t0
         stats["wait_s"] += time.perf_counter() - t1
@@ -879,10 +937,19 @@ class CUDABackend(Backend):
         return run()
 
     def _launch_graph(self) -> None:
+        trace = self._trace
         with self._stream:
-            self._upload_params()
-            self._trace.graph.launch(stream=self._stream)
+            if trace.host is None:  # else the graph's first node copies them
+                self._upload_params()
+            trace.graph.launch(stream=self._stream)
         self._launched = True
+
+    def _graph_logits(self, trace: _Trace, out) -> np.ndarray:
+        """The logits ``out`` of a step whose graph was launched, as a fresh host array."""
+        if trace.host is None or out is not trace.ops[-1].out:
+            return self._read_back(out)
+        self._stream.synchronize()  # the graph's last node copied them to trace.host
+        return trace.host.copy()
 
     def _diverge(self) -> None:
         """A replayed step that does not match its recording: finish it eagerly.
@@ -917,7 +984,7 @@ class CUDABackend(Backend):
                 if not self._launched:
                     self._launch_graph()
                 t1 = time.perf_counter()
-                host = self._read_back(out)
+                host = self._graph_logits(trace, out)
                 stats = self.graph_stats
                 stats["host_s"] += t1 - self._step_t0
                 stats["wait_s"] += time.perf_counter() - t1
@@ -948,6 +1015,13 @@ class CUDABackend(Backend):
         stream = self._stream
         launches = self._fuse(trace) if self.fuse else trace.launches
         trace.n_graph_kernels = len(launches)
+        # the graph's own copies: token id and position up first (the kernels read them
+        # from _params_dev), the logits down last, into pinned memory of the trace's own;
+        # on the H200 each copy as a call of its own cost host time between steps (run 11)
+        logits = trace.ops[-1].out  # to_host's input, contiguous
+        host_mem = None
+        if self.graph_copies:
+            host_mem = cp.cuda.alloc_pinned_memory(max(1, logits.nbytes))
         errors = (
             cp.cuda.runtime.CUDARuntimeError,
             cp.cuda.driver.CUDADriverError,
@@ -961,8 +1035,18 @@ class CUDABackend(Backend):
                 with stream:
                     stream.begin_capture()
                     try:
+                        if host_mem is not None:
+                            self._upload_params()
                         for launch in launches:
                             launch.run(pdl)
+                        if host_mem is not None and logits.nbytes:
+                            cp.cuda.runtime.memcpyAsync(
+                                host_mem.ptr,
+                                logits.data.ptr,
+                                logits.nbytes,
+                                cp.cuda.runtime.memcpyDeviceToHost,
+                                stream.ptr,
+                            )
                     finally:
                         graph = stream.end_capture()
                 trace.graph = graph
@@ -976,6 +1060,10 @@ class CUDABackend(Backend):
                 log.warning("cuda: capturing a decode step failed (%s); graphs turned off", err)
                 self.graphs = False
                 return
+        if host_mem is not None:
+            trace.host_mem = host_mem
+            host = np.frombuffer(host_mem, dtype=logits.dtype, count=logits.size)
+            trace.host = host.reshape(logits.shape)
         self._traces[id(trace.first_weight)] = trace
         self.graph_stats["recorded"] += 1
         self.graph_stats["kernels"] = trace.n_graph_kernels
@@ -1299,8 +1387,36 @@ class CUDABackend(Backend):
                 args += [np.int32(rs.n_ctx), np.float32(rs.theta_scale)]
                 args += [np.float32(rs.freq_scale)]
             rows = dw0.m if mv.act else sum(dw.m for dw in mv.weights)
-            rows_per_block = kernels.mvq_warps * (1 if mv.act else 2)  # a warp: two rows
-            threads = kernels.mvq_warps * 32
+            warps = kernels.mvq_warps
+            per_warp = 1 if mv.act else 2  # a warp's rows at a time (gate and up: one)
+            small = kernels.matvec_q8_small
+            if (
+                kernel is kernels.matvec_q8_n1
+                and small is not None
+                and 2 * -(-rows // (kernels.mvq_small_warps * per_warp)) <= self._n_sm
+            ):
+                # few rows: smaller blocks on more SMs, as long as they leave half the SMs
+                # idle (so the trigger point stays the same, _pdl_at). The 135M's ffn_down:
+                # 18 blocks of 16 warps -> 36 of 8; none of the 8B's matvecs.
+                kernel, warps = small, kernels.mvq_small_warps
+            rows_per_block = warps * per_warp
+            threads = warps * 32
+            cp_smem = self._cp_smem(mv, kernels)
+            if cp_smem:
+                # the weights through shared memory: one block per SM, beside the next
+                # launch's (mmvq.cu, MVQ_CP)
+                geom = kernels.cp_geom
+                kernel = kernels.matvec_q8_rope_cp if mv.rope is not None else kernels.matvec_q8_cp
+                smem, warps = cp_smem, geom.warps
+                rows_per_block = warps * per_warp
+                threads = warps * 32
+                n_blocks = min(-(-rows // rows_per_block), self._n_sm * _CP_BLOCKS)
+                args.append(np.int32(geom.trigger))
+                if pdl is not None:
+                    pdl.launch(kernel, (n_blocks,), (threads,), args, smem, pdl.stream)
+                else:
+                    kernel((n_blocks,), (threads,), tuple(args), shared_mem=smem)
+                return
         else:
             assert len(mv.weights) == 1 and not mv.act, "the float matvec takes one weight"
             kernel = kernels.matvec
@@ -1337,6 +1453,18 @@ class CUDABackend(Backend):
             pdl.launch(kernel, grid, (threads,), args, smem, pdl.stream)
         else:
             kernel(grid, (threads,), tuple(args), shared_mem=smem)
+
+    def _cp_smem(self, mv: _Matvec, kernels: _Kernels) -> int:
+        """Dynamic shared memory of ``mv`` through matvec_q8_n1_cp (x's codes, scales and
+        sums, then each warp's stages), or 0 where that kernel doesn't take it: more than one
+        token, not built for the type, rows not a multiple of its units, or too much."""
+        geom = kernels.cp_geom
+        if geom is None or kernels.matvec_q8_cp is None or mv.n != 1 or not self.cp_matvec:
+            return 0
+        if (mv.k // layout.chunk_block(mv.weights[0].qtype)) % geom.seg:
+            return 0
+        smem = (_q8_smem(1, mv.k) + 15) // 16 * 16 + geom.warps * geom.stages * geom.stage_bytes
+        return smem if smem <= self._mv_smem_limit() else 0
 
     def _gemm(self, x, dw: _DeviceWeight, dequant, y) -> None:
         """y = x @ W.T through float32 tiles of W and cuBLAS (prefill)."""

@@ -172,9 +172,11 @@ def _run_one(
     profile: bool = False,
     dependent_launch: bool = True,
     defines: tuple[str, ...] = (),
+    graph_copies: bool = True,
 ) -> dict:
     """Load one model on the CUDA backend and time pp/tg (runs in its own process). Each of
-    ``defines`` ("NAME=VALUE") is prepended to every kernel source as a ``#define``."""
+    ``defines`` ("NAME=VALUE") is prepended to every kernel source as a ``#define``;
+    ``graph_copies`` is the backend's attribute of that name."""
     from picollama.backends.cuda import layout
     from picollama.backends.cuda.backend import CUDABackend
     from picollama.generation import Context
@@ -187,6 +189,7 @@ def _run_one(
         layout.quant_source = lambda qtype: head + quant(qtype)
     t0 = time.perf_counter()
     backend = CUDABackend(graphs=graphs, arithmetic=arithmetic, dependent_launch=dependent_launch)
+    backend.graph_copies = graph_copies
     ctx = Context(path, n_ctx=max(n_prompt, n_gen), n_batch=n_prompt, backend=backend)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
@@ -441,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--no-dependent-launch", action="store_true", help="graphs without programmatic launches"
     )
+    p.add_argument(
+        "--no-graph-copies",
+        action="store_true",
+        help="token id, position and logits copied around the decode graph, not inside it",
+    )
     p.add_argument("--profile", action="store_true", help="time each kernel of a decode step")
     p.add_argument(
         "--define",
@@ -477,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             args.profile,
             not args.no_dependent_launch,
             tuple(args.define),
+            not args.no_graph_copies,
         )
         print("RESULT " + json.dumps(res))
         return 0
@@ -496,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd.append("--no-graphs")
         cmd += ["--arithmetic", args.arithmetic] + (["--profile"] if args.profile else [])
         cmd += ["--no-dependent-launch"] if args.no_dependent_launch else []
+        cmd += ["--no-graph-copies"] if args.no_graph_copies else []
         for d in args.define:
             cmd += ["--define", d]
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -35,6 +35,9 @@
 #ifndef MVQ_MIN_BLOCKS
 #define MVQ_MIN_BLOCKS 1
 #endif
+#ifndef MVQ_SMALL_WARPS
+#define MVQ_SMALL_WARPS 8
+#endif
 #ifndef MVQ_Q4K_PAIR
 #define MVQ_Q4K_PAIR 1
 #endif
@@ -47,6 +50,13 @@
 #endif
 #ifndef MVQ_WARPS
 #define MVQ_WARPS 8
+#endif
+// Grids of few blocks (the 135M's ffn_down, Q6_K 576 x 1536: 18 blocks of 16 warps) take
+// matvec_q8_n1_small, blocks of MVQ_SMALL_WARPS warps: twice the blocks over twice the SMs
+// for the same rows. Built only where it is smaller than MVQ_WARPS (Q4_K and Q6_K); the
+// backend uses it for one token where its grid leaves at least half the SMs idle.
+#ifndef MVQ_SMALL_WARPS
+#define MVQ_SMALL_WARPS MVQ_WARPS
 #endif
 #ifndef MVQ_UNROLL
 #define MVQ_UNROLL 4
@@ -75,6 +85,46 @@
 #define MVQ_PRELOAD 1
 #endif
 
+// Weights through shared memory (one token, Q4_K and Q6_K pairs, rows of a multiple of
+// MVQ_CP_SEG blocks): matvec_q8_n1_cp and matvec_q8_n1_rope_cp. A warp streams its rows in
+// units of MVQ_CP_SEG blocks of its two rows (a "stage") into a ring of stages in dynamic
+// shared memory by cp.async (no registers held while the bytes are in flight), the first
+// ring-full before it waits for the kernel before; then it takes each unit's chunks from
+// shared memory as soon as the unit has landed and refills its stage with the unit a ring
+// ahead. A block of MVQ_CP_WARPS warps takes less than half of a multiprocessor's registers
+// and shared memory, so the next kernel's block can sit beside it and stream its own
+// weights while this one still computes. Each lane takes the same chunks in the same order
+// as in matvec_q8_n1, so the results are the same bit for bit.
+//
+// Off by default: on the H200 (run 11) the 8B shape decoded at 279 t/s with it against 393
+// with the register kernels (16 warps of 64 registers and two stages: 305). Eight or sixteen
+// warps a multiprocessor are too few to hide the latencies of the dots, and more stages
+// than two blocks' worth of shared memory keep the next launch's block out.
+#ifndef MVQ_CP
+#define MVQ_CP 0
+#endif
+#ifndef MVQ_CP_WARPS
+#define MVQ_CP_WARPS 8
+#endif
+#ifndef MVQ_CP_SEG
+#define MVQ_CP_SEG 8  // blocks of a row per stage (8: one chunk of each row per lane)
+#endif
+#ifndef MVQ_CP_STAGES_Q4K
+#define MVQ_CP_STAGES_Q4K 4  // 2304-byte stages
+#endif
+#ifndef MVQ_CP_STAGES_Q6K
+#define MVQ_CP_STAGES_Q6K 3  // 3360-byte stages (x of 14336 takes 19.7 KB besides)
+#endif
+#ifndef MVQ_CP_XB
+#define MVQ_CP_XB 4  // rounds of x loads issued at once (4096 wide: all four of 8 warps)
+#endif
+#ifndef MVQ_CP_TRIGGER
+#define MVQ_CP_TRIGGER 1  // where these kernels let the next one launch (pdl_trigger_at)
+#endif
+#ifndef MVQ_CP_BLOCKS
+#define MVQ_CP_BLOCKS 1  // blocks per multiprocessor of a launch
+#endif
+
 // one token's quantized x in shared memory
 struct XQ {
     const signed char* q;  // k codes
@@ -86,6 +136,23 @@ struct XQ {
 __device__ __forceinline__ u32 spread4_bit4(u32 b) { return ((b * 0x00204081u) & 0x01010101u) << 4; }
 
 __device__ __forceinline__ int4 ld_x16(const signed char* p) { return *(const int4*)p; }
+
+// weight loads from global memory (G, read-only path) or from a stage in shared memory
+template <bool G>
+__device__ __forceinline__ uint4 lw128(const u8* p) {
+    if constexpr (G) return ld_u128(p);
+    else return *(const uint4*)p;
+}
+template <bool G>
+__device__ __forceinline__ u32 lw32(const u8* p) {
+    if constexpr (G) return ld_u32(p);
+    else return *(const u32*)p;
+}
+template <bool G>
+__device__ __forceinline__ u32 lw16(const u8* p) {
+    if constexpr (G) return ld_u16(p);
+    else return *(const u16*)p;
+}
 
 #if defined(QTYPE_Q8_0)
 struct QD {  // d, qs[32]: a chunk is half a block (16 codes)
@@ -180,16 +247,17 @@ struct QD {
     __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
         return f.p2 + 128 * b + 32 * cc;
     }
+    template <bool G = true>
     __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
         Raw r;
         const u8* p = code_ptr(f, b, cc);
-        r.qa = ld_u128(p);
-        r.qb = ld_u128(p + 16);
-        r.dm = ld_u32(f.p0 + 4 * b);
+        r.qa = lw128<G>(p);
+        r.qb = lw128<G>(p + 16);
+        r.dm = lw32<G>(f.p0 + 4 * b);
         const u8* sp = f.p1 + 12 * b;
-        r.s0 = ld_u32(sp);
-        r.s1 = ld_u32(sp + 4);
-        r.s2 = ld_u32(sp + 8);
+        r.s0 = lw32<G>(sp);
+        r.s1 = lw32<G>(sp + 4);
+        r.s2 = lw32<G>(sp + 8);
         return r;
     }
     __device__ static __forceinline__ u32 half12(u32 s0, u32 s1, u32 s2, int i) {
@@ -308,16 +376,17 @@ struct QD {
     __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int u) {
         return f.p0 + 128 * b + 64 * (u >> 1) + 16 * (u & 1);
     }
+    template <bool G = true>
     __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int u) {
         int hh = u >> 1, p = u & 1;
         Raw r;
         const u8* lp = code_ptr(f, b, u);
-        r.l0 = ld_u128(lp);
-        r.l1 = ld_u128(lp + 32);
-        r.qh = ld_u128(f.p1 + 64 * b + 32 * hh + 16 * p);
-        r.sa = ld_u32(f.p2 + 16 * b + 8 * hh);  // scales 8 hh .. 8 hh + 3
-        r.sb = ld_u32(f.p2 + 16 * b + 8 * hh + 4);  // scales 8 hh + 4 .. 8 hh + 7
-        r.d = ld_u16(f.p3 + 2 * b);
+        r.l0 = lw128<G>(lp);
+        r.l1 = lw128<G>(lp + 32);
+        r.qh = lw128<G>(f.p1 + 64 * b + 32 * hh + 16 * p);
+        r.sa = lw32<G>(f.p2 + 16 * b + 8 * hh);  // scales 8 hh .. 8 hh + 3
+        r.sb = lw32<G>(f.p2 + 16 * b + 8 * hh + 4);  // scales 8 hh + 4 .. 8 hh + 7
+        r.d = lw16<G>(f.p3 + 2 * b);
         return r;
     }
     __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
@@ -405,6 +474,79 @@ struct QD {
 
 static_assert(Q::BLOCK / QD::CPB == 16 || Q::BLOCK / QD::CPB == 32 || Q::BLOCK / QD::CPB == 64,
               "a chunk is 16, 32 or 64 weights");
+
+#if MVQ_CP && ((defined(QTYPE_Q4_K) && MVQ_Q4K_PAIR) || (defined(QTYPE_Q6_K) && MVQ_Q6K_PAIR))
+#define MVQ_CP_BUILT 1
+#else
+#define MVQ_CP_BUILT 0
+#endif
+
+#if MVQ_CP_BUILT
+#if defined(QTYPE_Q4_K)
+#define MVQ_CP_STAGES MVQ_CP_STAGES_Q4K
+#else
+#define MVQ_CP_STAGES MVQ_CP_STAGES_Q6K
+#endif
+// A stage: MVQ_CP_SEG blocks of row a, then the same of row b; each row's fields one after
+// another (as field-major Fields of MVQ_CP_SEG blocks), in 16-byte pieces: CP_Pf of field f.
+constexpr int CP_P0 = MVQ_CP_SEG * LAYOUT_SZ0 / 16, CP_P1 = MVQ_CP_SEG * LAYOUT_SZ1 / 16;
+constexpr int CP_P2 = MVQ_CP_SEG * LAYOUT_SZ2 / 16, CP_P3 = MVQ_CP_SEG * LAYOUT_SZ3 / 16;
+static_assert((MVQ_CP_SEG * LAYOUT_SZ0) % 16 == 0 && (MVQ_CP_SEG * LAYOUT_SZ1) % 16 == 0 &&
+                  (MVQ_CP_SEG * LAYOUT_SZ2) % 16 == 0 && (MVQ_CP_SEG * LAYOUT_SZ3) % 16 == 0,
+              "a stage's fields are whole 16-byte pieces");
+constexpr int CP_ROWP = CP_P0 + CP_P1 + CP_P2 + CP_P3;
+constexpr int CP_ROW = 16 * CP_ROWP;   // bytes of one row's unit
+constexpr int CP_STAGE = 2 * CP_ROW;  // bytes of a stage
+constexpr int CP_CPL = MVQ_CP_SEG * QD::CPB / 32;  // chunks of a row a lane takes per unit
+static_assert(MVQ_CP_SEG * QD::CPB % 32 == 0, "a unit is whole chunks for every lane");
+
+// the geometry the backend sizes the launches by: warps, blocks a unit, stages, stage
+// bytes, trigger point
+extern "C" __device__ int mvq_cp_geom[5] = {MVQ_CP_WARPS, MVQ_CP_SEG, MVQ_CP_STAGES, CP_STAGE,
+                                            MVQ_CP_TRIGGER};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    u32 s;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// the fields of a row's unit in a stage
+__device__ __forceinline__ Fields cp_fields(const u8* st) {
+    Fields f;
+    f.p0 = st;
+    f.p1 = st + 16 * CP_P0;
+    f.p2 = f.p1 + 16 * CP_P1;
+    f.p3 = f.p2 + 16 * CP_P2;
+    return f;
+}
+
+// copy MVQ_CP_SEG blocks of a weight's fields f from block b on into dst (a warp's lanes)
+__device__ __forceinline__ void cp_row(const Fields& f, i64 b, u8* dst, int lane) {
+#pragma unroll
+    for (int q0 = 0; q0 < CP_ROWP; q0 += 32) {
+        const int q = q0 + lane;
+        if (q < CP_ROWP) {
+            const u8* src;
+            if (q < CP_P0) {
+                src = f.p0 + LAYOUT_SZ0 * b + 16 * q;
+            } else if (q < CP_P0 + CP_P1) {
+                src = f.p1 + LAYOUT_SZ1 * b + 16 * (q - CP_P0);
+            } else if (q < CP_P0 + CP_P1 + CP_P2) {
+                src = f.p2 + LAYOUT_SZ2 * b + 16 * (q - CP_P0 - CP_P1);
+            } else {
+                src = f.p3 + LAYOUT_SZ3 * b + 16 * (q - CP_P0 - CP_P1 - CP_P2);
+            }
+            cp_async16(dst + 16 * q, src);
+        }
+    }
+}
+#endif
 
 // One iteration of a row pair: the loads of chunks c0 + 32 u (u < UNROLL) of rows a and b
 // (b only with `two`), and their dots with the n rows of x.
@@ -529,22 +671,24 @@ struct Job {
     int pair;
 };
 
-template <int NT, int XB, bool ROPE>
+// W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS); CP: the
+// weights through shared memory (one token; MVQ_CP above)
+template <int NT, int XB, bool ROPE, int W, bool CP = false>
 __device__ __forceinline__ void mvq_body(
     const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
     int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
     const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
     const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at) {
     extern __shared__ int4 mvq_smem[];
-    __shared__ double red[MVQ_WARPS];
+    __shared__ double red[W];
     __shared__ float s_scale[NT];
     __shared__ float2 s_cs[ROPE ? 128 : 1];  // RoPE: (cos, sin) of pair i of a head
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int nb32 = k >> 5;
     int bpr = k / Q::BLOCK, cpr = bpr * QD::CPB;
     int m_rows = act ? m0 : m0 + m1 + m2;
-    int row_first = blockIdx.x * MVQ_WARPS + warp;
-    int n_warps = gridDim.x * MVQ_WARPS;
+    int row_first = blockIdx.x * W + warp;
+    int n_warps = gridDim.x * W;
 
     // Jobs: a gate row and its up row (act); a RoPE pair of q, k or v rows (ROPE: m0 / 2
     // pairs of q, then m1 / 2 of k, then m2 / 2 of v); else rows j and j + n_warps. Warp w
@@ -591,11 +735,35 @@ __device__ __forceinline__ void mvq_body(
     // a warp, made both the 135M and the 8B shapes 4-6% slower: run 10.)
     QD::Raw pa[QD::UNROLL], pb[QD::UNROLL];
     // (one token only: with NT rows of x the registers would spill)
-    const bool have_first = MVQ_PRELOAD && NT == 1 && row_first < n_jobs;
+    const bool have_first = MVQ_PRELOAD && NT == 1 && !CP && row_first < n_jobs;
     if (have_first) {
         Job jb = job_at(row_first);
         load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
     }
+#if MVQ_CP_BUILT
+    // CP: the warp's ring of stages (after x's codes, scales and sums), and the next unit to
+    // copy: segment iss_seg of job row_first + iss_i * job_step (upj units a job)
+    u8* ring = (u8*)mvq_smem + ((n * k + n * nb32 * 12 + 15) & ~15) +
+               warp * (MVQ_CP_STAGES * CP_STAGE);
+    const int upj = bpr / MVQ_CP_SEG;
+    int iss_i = 0, iss_seg = 0;
+    auto issue = [&](u8* st) {
+        const int j = row_first + iss_i * job_step;
+        if (j < n_jobs) {
+            Job jb = job_at(j);
+            const i64 b = (i64)iss_seg * MVQ_CP_SEG;
+            cp_row(jb.a.f, jb.a.b0 + b, st, lane);
+            if (jb.two) cp_row(jb.b.f, jb.b.b0 + b, st + CP_ROW, lane);
+            if (++iss_seg == upj) iss_seg = 0, iss_i++;
+        }
+        cp_commit();  // (empty past the warp's last unit: every lane counts the same groups)
+    };
+    if constexpr (CP) {
+        // a ring-full of units before the wait: the weights are constant
+#pragma unroll
+        for (int st = 0; st < MVQ_CP_STAGES; st++) issue(ring + st * CP_STAGE);
+    }
+#endif
     if constexpr (ROPE) {
         // every pair's angle, with rope_head's float32 operations (ops.cu), before the dots:
         // not on the critical path of each pair's epilogue. The position was copied to the
@@ -619,7 +787,7 @@ __device__ __forceinline__ void mvq_body(
             const float4* xt = (const float4*)(x + (i64)t * k);
             double acc = 0.0;
 #pragma unroll 4
-            for (int j = threadIdx.x; j < k / 4; j += MVQ_WARPS * 32) {
+            for (int j = threadIdx.x; j < k / 4; j += W * 32) {
                 float4 v = __ldg(xt + j);
                 acc += (double)v.x * v.x + (double)v.y * v.y;
                 acc += (double)v.z * v.z + (double)v.w * v.w;
@@ -628,7 +796,7 @@ __device__ __forceinline__ void mvq_body(
             if (lane == 0) red[warp] = acc;
             __syncthreads();
             if (warp == 0) {
-                double v = lane < MVQ_WARPS ? red[lane] : 0.0;
+                double v = lane < W ? red[lane] : 0.0;
                 v = warp_sum_d(v);
                 if (lane == 0) {
                     float mean = (float)(v / (double)k);
@@ -644,11 +812,11 @@ __device__ __forceinline__ void mvq_body(
     // need whole warps); lanes past the end compute on zeros and store nothing. The loads
     // of XB rounds are issued before the first is used (wide x: one latency, not XB).
     int n4 = n * k / 4;
-    for (int base0 = 0; base0 < n4; base0 += XB * MVQ_WARPS * 32) {
+    for (int base0 = 0; base0 < n4; base0 += XB * W * 32) {
         float4 xv[XB], gv[XB];
 #pragma unroll
         for (int r = 0; r < XB; r++) {
-            int i4 = base0 + r * MVQ_WARPS * 32 + threadIdx.x;
+            int i4 = base0 + r * W * 32 + threadIdx.x;
             bool in = i4 < n4;
             int t = in ? (4 * i4) / k : 0;
             int j = 4 * i4 - t * k;
@@ -658,7 +826,7 @@ __device__ __forceinline__ void mvq_body(
         }
 #pragma unroll
         for (int r = 0; r < XB; r++) {
-            int i4 = base0 + r * MVQ_WARPS * 32 + threadIdx.x;
+            int i4 = base0 + r * W * 32 + threadIdx.x;
             bool in = i4 < n4;
             int t = in ? (4 * i4) / k : 0;
             float4 v = xv[r];
@@ -698,12 +866,8 @@ __device__ __forceinline__ void mvq_body(
 
     XQ x0 = {sq, sd, ss};
     const int crow = ROPE ? *ra.start : 0;
-    auto run_job = [&](const Job& jb, auto pre) {
-        float acc_a[NT], acc_b[NT];
-#pragma unroll
-        for (int t = 0; t < NT; t++) acc_a[t] = acc_b[t] = 0.f;
-        row_dot2<NT, decltype(pre)::value>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane,
-                                           x0, k, n, acc_a, acc_b, pa, pb);
+    // a job's sums over the warp's lanes, and their outputs
+    auto finish = [&](const Job& jb, const float* acc_a, const float* acc_b) {
         if constexpr (ROPE) {
             float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
             if (lane == 0) {
@@ -752,6 +916,56 @@ __device__ __forceinline__ void mvq_body(
             }
         }
     };
+    auto run_job = [&](const Job& jb, auto pre) {
+        float acc_a[NT], acc_b[NT];
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc_a[t] = acc_b[t] = 0.f;
+        row_dot2<NT, decltype(pre)::value>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane,
+                                           x0, k, n, acc_a, acc_b, pa, pb);
+        finish(jb, acc_a, acc_b);
+    };
+#if MVQ_CP_BUILT
+    if constexpr (CP) {
+        // unit by unit: wait for the oldest copy group (this lane's pieces), then for the
+        // warp's other lanes (__syncwarp orders their copies before our reads); take its
+        // chunks; once every lane is done with the stage, refill it with the unit a ring ahead
+        Job jb;
+        float acc_a[1] = {0.f}, acc_b[1] = {0.f};
+        int seg = 0, st = 0;
+        for (int j = row_first; j < n_jobs;) {
+            if (seg == 0) {
+                jb = job_at(j);
+                acc_a[0] = acc_b[0] = 0.f;
+            }
+            cp_wait<MVQ_CP_STAGES - 1>();
+            __syncwarp();
+            u8* stage = ring + st * CP_STAGE;
+            const Fields fa = cp_fields(stage), fb = cp_fields(stage + CP_ROW);
+#pragma unroll
+            for (int e = 0; e < CP_CPL; e++) {
+                const int cl = lane + 32 * e;  // the chunk in the unit, and in the row:
+                const int c = seg * (MVQ_CP_SEG * QD::CPB) + cl;
+                const QD::Raw ra = QD::load<false>(fa, cl / QD::CPB, cl % QD::CPB);
+                acc_a[0] += QD::dot(ra, c, x0);
+                if (jb.two) {
+                    const QD::Raw rb = QD::load<false>(fb, cl / QD::CPB, cl % QD::CPB);
+                    acc_b[0] += QD::dot(rb, c, x0);
+                }
+            }
+            __syncwarp();
+            issue(stage);
+            st = st + 1 == MVQ_CP_STAGES ? 0 : st + 1;
+            if (++seg == upj) {
+                seg = 0;
+                finish(jb, acc_a, acc_b);
+                j += job_step;
+            }
+        }
+        cp_wait<0>();
+        pdl_trigger_at(2, pdl_at);
+        return;
+    }
+#endif
     // the first job from the registers loaded above (peeled, so that they are dead after it)
     int j = row_first;
     if (MVQ_PRELOAD && NT == 1 && have_first) {
@@ -778,20 +992,42 @@ __device__ __forceinline__ void mvq_body(
 
 // n <= MV_MAX_TOKENS rows of x (short batches), and the decode case n = 1 (fewer registers)
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8(MVQ_PARAMS) {
-    mvq_body<MV_MAX_TOKENS, 1, false>(MVQ_ARGS);
+    mvq_body<MV_MAX_TOKENS, 1, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1(MVQ_PARAMS) {
-    mvq_body<1, 1, false>(MVQ_ARGS);
+    mvq_body<1, 1, false, MVQ_WARPS>(MVQ_ARGS);
 }
+
+#if MVQ_SMALL_WARPS < MVQ_WARPS
+// one token, a small grid (MVQ_SMALL_WARPS above): each warp gets the registers of
+// matvec_q8_n1's, and x's loads go out MVQ_WARPS / MVQ_SMALL_WARPS rounds at a time, so that
+// a block quantizes x in as many round trips as a block of MVQ_WARPS warps
+#define MVQ_SMALL_BLOCKS (MVQ_MIN_BLOCKS * MVQ_WARPS / MVQ_SMALL_WARPS)
+extern "C" __global__ void __launch_bounds__(MVQ_SMALL_WARPS * 32, MVQ_SMALL_BLOCKS) matvec_q8_n1_small(MVQ_PARAMS) {
+    mvq_body<1, MVQ_WARPS / MVQ_SMALL_WARPS, false, MVQ_SMALL_WARPS>(MVQ_ARGS);
+}
+#endif
 
 // one token of a wide x (the feed-forward's down matrix): x's loads four rounds at a time, in
 // a kernel of its own so that the registers this takes don't weigh on the others
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_wide(MVQ_PARAMS) {
-    mvq_body<1, 4, false>(MVQ_ARGS);
+    mvq_body<1, 4, false, MVQ_WARPS>(MVQ_ARGS);
 }
+
+#if MVQ_CP_BUILT
+// one token, the weights through shared memory (MVQ_CP above): plain, gate+up, or Q/K/V
+// with RoPE and the KV cache write; two blocks of different launches fit a multiprocessor
+extern "C" __global__ void __launch_bounds__(MVQ_CP_WARPS * 32, 2) matvec_q8_n1_cp(MVQ_PARAMS) {
+    mvq_body<1, MVQ_CP_XB, false, MVQ_CP_WARPS, true>(MVQ_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MVQ_CP_WARPS * 32, 2) matvec_q8_n1_rope_cp(MVQ_PARAMS) {
+    mvq_body<1, MVQ_CP_XB, true, MVQ_CP_WARPS, true>(MVQ_ARGS);
+}
+#endif
 
 // one token's Q, K and V with RoPE and the KV cache write (ROPE above)
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
-    mvq_body<1, 1, true>(MVQ_ARGS);
+    mvq_body<1, 1, true, MVQ_WARPS>(MVQ_ARGS);
 }
