@@ -117,6 +117,24 @@ def test_exact_arithmetic_and_new_prompts_never_compile(tmp_path):
         assert backend._steps.program(model, ((len(PROMPT), None),)) is None
 
 
+def test_speculative_rounds_compile_at_first_sight(tmp_path):
+    """A verification batch (every row's logits) recurs in every round of its size: traced
+    the first time, proven the second, compiled from the third."""
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    backend = get_backend("cpu", n_threads=2)
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        cache = model.new_cache(32)
+        shape = ((3, (0, 1, 2)),)
+        for round_ in range(3):
+            seg = Segment(np.array(PROMPT[:3]), 3 * round_, cache, np.arange(3))
+            backend.forward_step(model, [seg])
+            program = backend._steps.program(model, shape)
+            assert program is not None and program is not False
+            assert program.trusted == (round_ >= 1)
+
+
 def test_compiled_step_errors_name_the_problem(tmp_path):
     path = tmp_path / "m.gguf"
     write_tiny_model(path, CASES["llama-q4_1"])

@@ -227,6 +227,19 @@ class _Ops:
         return b.fadd(e0, e1)
 
 
+def prefetch(b: ir.IRBuilder, ptr) -> None:
+    """A read prefetch (``llvm.prefetch``) of the cache line at the i8* ``ptr`` into every
+    level; a prefetch of an address past an array's end is harmless (it never faults)."""
+    name = "llvm.prefetch.p0i8"
+    try:
+        fn = b.module.get_global(name)
+    except KeyError:
+        fnty = ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+        fn = ir.Function(b.module, fnty, name)
+    # read, keep in every cache level, a data (not instruction) line
+    b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
 def inline_function(module: ir.Module, name: str, arg_types: list) -> tuple[ir.Function, bool]:
     """The module's internal, always-inlined void function ``name`` of ``arg_types``:
     ``(fn, True)`` when it was just declared (the caller builds its body), ``(fn, False)``

@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from picollama.backends.cpu.intrinsics import HAS_F16C
-from picollama.backends.cpu.simd import HAS_AVX512BW, inline_function
+from picollama.backends.cpu.simd import HAS_AVX512BW, inline_function, prefetch
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["FLOAT_TYPES", "FLOAT_GROUP", "float_dot_rows"]
@@ -52,6 +52,7 @@ I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64
 F16, F32 = ir.HalfType(), ir.FloatType()
 V16 = ir.VectorType(F32, 16)
 CHUNK = 32  # weights per loop iteration: two 16-lane halves
+PREFETCH_AHEAD = 2048  # bytes; 1, 2, 4 and 8 KB measured alike, 2 KB a little ahead
 
 # Numba's fast-math pass flags every float operation that has no flags; "arcp" (allow a
 # reciprocal for a division) means nothing to an add, but its presence keeps the pass away.
@@ -164,6 +165,14 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     e16 = b.add(e, ir.Constant(I64, 16))
     w0 = _load_weights(b, qtype, w, e)
     w1 = _load_weights(b, qtype, w, e16)
+    if n_rows > 1:
+        # weights PREFETCH_AHEAD bytes on (the rows of a matrix lie end to end): a batch's
+        # FMAs keep the core busy long enough that the hardware prefetcher alone lets the
+        # loads wait on memory (8 rows, 226 MB of F32: 18.5 ms without, 12.1 ms with)
+        size = 4 if qtype == GGMLType.F32 else 2
+        at = b.add(b.mul(e, ir.Constant(I64, size)), ir.Constant(I64, PREFETCH_AHEAD))
+        for line in range(0, CHUNK * size, 64):
+            prefetch(b, b.gep(w, [b.add(at, ir.Constant(I64, line))]))
     new = []
     for t in range(n_rows):
         new.append(b.call(fma, [w0, _load_x(b, xrows[t], e), accs[2 * t]]))

@@ -17,9 +17,10 @@ continuous batching). What may vary between runs of a shape is the tokens, the p
 and the caches: the tracer records every argument that equals the traced positions (or a
 segment's start) as such, and refuses anything it cannot express (a weight type without a
 kernel here, a position used another way, an array operation it does not know), in which
-case that shape keeps the op-by-op path. A shape is traced the second time it is seen (a
-prompt's length seldom recurs), and its program is trusted only after its first run gave
-the op-by-op path's logits exactly.
+case that shape keeps the op-by-op path. A shape is traced the first time it is seen, but
+a prompt's chunk (several tokens, the last one's logits) only the second time (a prompt's
+length seldom recurs), and its program is trusted only after its first run gave the
+op-by-op path's logits exactly.
 """
 
 from __future__ import annotations
@@ -1035,7 +1036,11 @@ class StepCompiler:
         if entry is False:
             return model.forward_batch(segments)
         if not isinstance(entry, _Program):
-            if entry == 0 and shape != ((1, None),):  # seen once: a prompt's length seldom recurs
+            # a prompt's chunk (several tokens, the last one's logits) seldom recurs: trace
+            # it when it does. One token per sequence (decode, the server's batches) and
+            # every row's logits (a speculative round) recur from the start.
+            prompt_like = any(n > 1 and rows is None for n, rows in shape)
+            if entry == 0 and prompt_like:
                 if len(programs) < 4 * MAX_PROGRAMS:
                     programs[shape] = 1
                 return model.forward_batch(segments)
