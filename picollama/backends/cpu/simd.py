@@ -322,6 +322,12 @@ _LEGACY_SIZE = {
 }
 
 
+_BLOCK_BYTES = {**_LEGACY_SIZE, GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}
+# how far ahead the weight loops prefetch, in bytes: 512 to 8192 measured alike (2048 a
+# little ahead), in decode steps and in float batches
+PREFETCH_AHEAD = 2048
+
+
 def _legacy_weights(qtype):
     """``weights(o, w, i)`` -> (dx, m, qx): block i's scale, min (Q4_1, Q5_1, else None)
     and 32 quant bytes (signed for Q4_0, Q5_0, Q8_0), unpacked as ``_legacy_body`` does."""
@@ -728,6 +734,15 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int, n_wrows: int) -> ir
     accs = [b.phi(_vec(F32, 8)) for _ in pairs]
     summs = [b.phi(summs0.type) for _ in pairs]
     step = _k_quant_body(qtype) if qtype in _K else _legacy_body(qtype)
+    # the weights PREFETCH_AHEAD bytes on, a line per 64 bytes of block: a decode step's
+    # matrices are small and split among tasks, so each task's stream is short and the
+    # hardware prefetcher's ramp-up a large part of it (SmolLM2 Q4_1 step: 8.7 -> 7.1-7.5
+    # ms; Gemma 3 Q4_K_M: 11.5-12.8 -> 10.0-11.5)
+    size = _BLOCK_BYTES[qtype]
+    at = b.add(b.mul(i, ir.Constant(I64, size)), ir.Constant(I64, PREFETCH_AHEAD))
+    for j in range(n_wrows):
+        for line in range(0, size, 64):
+            prefetch(b, b.gep(wrows[j], [b.add(at, ir.Constant(I64, line))]))
     new = [
         step(o, wrows[j], *rows[r], i, acc, sm)
         for (j, r), acc, sm in zip(pairs, accs, summs, strict=True)

@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from picollama.backends.cpu.intrinsics import HAS_F16C
-from picollama.backends.cpu.simd import HAS_AVX512BW, inline_function, prefetch
+from picollama.backends.cpu.simd import HAS_AVX512BW, PREFETCH_AHEAD, inline_function, prefetch
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["FLOAT_TYPES", "FLOAT_GROUP", "float_dot_rows"]
@@ -52,7 +52,6 @@ I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64
 F16, F32 = ir.HalfType(), ir.FloatType()
 V16 = ir.VectorType(F32, 16)
 CHUNK = 32  # weights per loop iteration: two 16-lane halves
-PREFETCH_AHEAD = 2048  # bytes; 1, 2, 4 and 8 KB measured alike, 2 KB a little ahead
 
 # Numba's fast-math pass flags every float operation that has no flags; "arcp" (allow a
 # reciprocal for a division) means nothing to an add, but its presence keeps the pass away.
