@@ -24,8 +24,7 @@ import math
 import numba as nb
 import numpy as np
 
-from picollama.backends.cpu.intrinsics import bits_from_f32, f32_from_bits, fma_f32
-from picollama.backends.cpu.qdot_act import f32_to_f16_bits
+from picollama.backends.cpu.intrinsics import bits_from_f32, f16_bits, f32_from_bits, fma_f32
 
 __all__ = ["v_expf", "silu_mul", "gelu_mul", "gelu_table", "expf", "hsum8_f32"]
 
@@ -137,7 +136,7 @@ def _gelu_mul(gate, up, out, table):
             elif x >= _F(10.0):
                 out[r, i] = x * up[r, i]
             else:
-                out[r, i] = table[np.int64(f32_to_f16_bits(x))] * up[r, i]
+                out[r, i] = table[np.int64(f16_bits(x))] * up[r, i]
 
 
 def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

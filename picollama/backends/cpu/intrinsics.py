@@ -54,6 +54,7 @@ __all__ = [
     "HAS_F16C",
     "round_f16",
     "half_to_f32",
+    "f16_bits",
     "fma_f32",
 ]
 
@@ -361,6 +362,39 @@ def _half_to_f32_hw(typingctx, h):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
     return types.float32(h), codegen
+
+
+@intrinsic
+def _f16_bits_hw(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+def f16_bits(x):
+    """IEEE half bits (uint16) of float32 ``x``, rounded to nearest even: vcvtps2ph where
+    the CPU has F16C (a loop of them vectorizes), else ``qdot_act.f32_to_f16_bits``."""
+    raise NotImplementedError("f16_bits is only callable from Numba-compiled code")
+
+
+@overload(f16_bits, inline="always")
+def _f16_bits_overload(x):
+    if HAS_F16C:
+
+        def impl(x):
+            return _f16_bits_hw(np.float32(x))
+
+    else:
+        from picollama.backends.cpu.qdot_act import f32_to_f16_bits
+
+        def impl(x):
+            return f32_to_f16_bits(np.float32(x))
+
+    return impl
 
 
 def half_to_f32(h, table):

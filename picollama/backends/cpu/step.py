@@ -36,9 +36,9 @@ from numba.extending import intrinsic
 from picollama.backends.base import BackendError, Weight
 from picollama.backends.cpu import attention as _attn
 from picollama.backends.cpu import ggml_math, kernels, ops
+from picollama.backends.cpu.intrinsics import f16_bits
 from picollama.backends.cpu.lora_kernels import LoraB, _row, lora_rows
 from picollama.backends.cpu.qdot import float_convert, float_rows, simd_quantize, simd_rows
-from picollama.backends.cpu.qdot_act import f32_to_f16_bits
 from picollama.backends.cpu.simd import SIMD_TYPES
 from picollama.gguf.constants import GGMLType
 
@@ -362,9 +362,9 @@ def _run(
                 kc = kl[starts[seg] + t].reshape(-1)
                 vc = vl[starts[seg] + t].reshape(-1)
                 for j in range(nk):
-                    kc[j] = f32_to_f16_bits(arena[c[1] + t * nk + j])
+                    kc[j] = f16_bits(arena[c[1] + t * nk + j])
                 for j in range(nv):
-                    vc[j] = f32_to_f16_bits(arena[c[2] + t * nv + j])
+                    vc[j] = f16_bits(arena[c[2] + t * nv + j])
         elif op == _OP_ATTENTION and c[10] > 1:
             _attention_group(code, fargs, i, c[10], arena, cmeta, starts)
         elif op == _OP_ATTENTION and c[10] == 1:
