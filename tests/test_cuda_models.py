@@ -189,26 +189,6 @@ def test_graph_replay_equals_eager(model_file, fuse, arithmetic):
         np.testing.assert_array_equal(logits_g, logits_e)
 
 
-def test_attention_and_attn_output_in_one_launch(model_file):
-    """Where mmvq.cu is built with ATT_MV=1 (off by default: slower, run 12), fused int8
-    graphs take decode attention and the attn_output matvec as one launch per layer
-    (attention_gqa_mv: a grid barrier between the two): one kernel per layer fewer than
-    with ``att_matvec`` off, and the same logits bit for bit (each output row is one warp's
-    dot in the same order as in matvec_q8_n1)."""
-    n_layers = SPECS[model_file.stem].n_layers
-    fused = _cuda(graphs=True, dependent_launch=True)
-    if not fused._quant_kernels(GGMLType.Q8_0).att_mv:
-        pytest.skip("built without attention_gqa_mv (mmvq.cu: ATT_MV=0, the default)")
-    apart = _cuda(graphs=True, dependent_launch=True)
-    apart.att_matvec = False
-    tokens_f, logits_f = _greedy(fused, model_file, n_gen=12)
-    tokens_a, logits_a = _greedy(apart, model_file, n_gen=12)
-    assert tokens_f == tokens_a
-    assert fused.graph_stats["whole"] == apart.graph_stats["whole"] == 12 - 1 - _TRUST_AFTER
-    assert fused.graph_stats["kernels"] == apart.graph_stats["kernels"] - n_layers
-    np.testing.assert_array_equal(logits_f, logits_a)
-
-
 # rows of 2048: whole units of matvec_q8_n1_cp (mmvq.cu, MVQ_CP) for Q4_K and Q6_K
 WIDE = TinySpec(
     n_layers=2,

@@ -49,9 +49,7 @@ normalized values), residual adds into the matvec that produces their addend, an
 "ggml" arithmetic sibling matvecs of one x (Q, K, V) into one launch and the gate and up
 matvecs with their SwiGLU/GeGLU into one launch; RoPE of q and k and the KV cache write go
 into that Q/K/V launch (int8, one token; elsewhere into one kernel of their own). A Llama
-layer runs 5 kernels instead of 16 (4 where mmvq.cu is built with ATT_MV=1: the one-token
-GQA attention and the int8 matvec of its output in one launch with a grid barrier between
-them; slower on the H200, so off by default). With ``dependent_launch`` (sm_90 on) the graph's
+layer runs 5 kernels instead of 16. With ``dependent_launch`` (sm_90 on) the graph's
 kernels are launched as programmatic dependents (``_DependentLauncher``, on by default): each
 is scheduled while the one before it finishes and waits for it inside.
 """
@@ -132,7 +130,7 @@ class _Kernels:
     __slots__ = (
         "matvec", "dequant", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
         "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_cp",
-        "matvec_q8_rope_cp", "cp_geom", "att_mv", "att_mv_max", "att_mv_fill",
+        "matvec_q8_rope_cp", "cp_geom",
     )  # fmt: skip
 
     def __init__(self, matvec, dequant, get_rows):
@@ -146,12 +144,6 @@ class _Kernels:
         # one token with the weights through shared memory (mmvq.cu's MVQ_CP), if built:
         # plain / gate+up, Q/K/V with RoPE, and their _CpGeom
         self.matvec_q8_cp = self.matvec_q8_rope_cp = self.cp_geom = None
-        # decode attention + attn_output in one launch (mmvq.cu, attention_gqa_mv_<DPL>_<GB>)
-        # by (DPL, GB), if built, for weights of at most att_mv_max values; att_mv_fill: a
-        # grid of one block per SM where the attention's is smaller
-        self.att_mv = {}
-        self.att_mv_max = 0
-        self.att_mv_fill = False
 
 
 @dataclass(frozen=True)
@@ -226,27 +218,6 @@ class _Matvec:
 
     def run(self, pdl: _DependentLauncher | None = None) -> None:
         self.be._run_matvec(self, pdl)
-
-
-class _AttMatvec:
-    """Decode attention (``att``: an attention_gqa launch) and the int8 matvec of its output
-    (``mv``: one weight, one token, no norm) as one launch of attention_gqa_mv (mmvq.cu):
-    the grid's blocks pass a barrier between the two, ``bar`` (two int32 zeros) its state."""
-
-    __slots__ = ("be", "att", "mv", "key", "bar")
-
-    def __init__(self, be, att: _Launch, mv: _Matvec, key: tuple[int, int], bar):
-        self.be = be
-        self.att = att
-        self.mv = mv
-        self.key = key  # (DPL, GB) of the attention kernel
-        self.bar = bar
-
-    def copy(self) -> _AttMatvec:
-        return _AttMatvec(self.be, self.att.copy(), self.mv.copy(), self.key, self.bar)
-
-    def run(self, pdl: _DependentLauncher | None = None) -> None:
-        self.be._run_att_matvec(self, pdl)
 
 
 @dataclass(frozen=True, eq=False)
@@ -526,9 +497,6 @@ class CUDABackend(Backend):
         # one-token Q4_K / Q6_K matvecs through matvec_q8_n1_cp where it is built and the
         # shapes fit (False: the register kernels, as before run 11; for comparisons)
         self.cp_matvec = True
-        # decode attention and the attn_output matvec in one launch where mmvq.cu is built
-        # with ATT_MV=1 and the shapes allow (_fuse; False: two launches; for comparisons)
-        self.att_matvec = True
         # eager mode: device copies of host index arrays, reused within one forward pass
         self._dev_pos_src = None
         self._dev_pos = None
@@ -573,18 +541,6 @@ class CUDABackend(Backend):
                             kernels.cp_geom = _CpGeom(*(int(v) for v in values))
                             kernels.matvec_q8_cp = cp_kernel
                             kernels.matvec_q8_rope_cp = mod.get_function("matvec_q8_n1_rope_cp")
-                        try:  # built unless ATT_MV is 0
-                            kernels.att_mv = {
-                                (dpl, gb): mod.get_function(f"attention_gqa_mv_{dpl}_{gb}")
-                                for dpl in (2, 4)
-                                for gb in (1, 2, 4, 8)
-                            }
-                            geom = mod.get_global("att_mv_geom")
-                            max_mk, fill = cp.ndarray((2,), cp.int32, memptr=geom).get()
-                            kernels.att_mv_max = int(max_mk) * 1024
-                            kernels.att_mv_fill = bool(fill)
-                        except cp.cuda.driver.CUDADriverError:
-                            kernels.att_mv = {}
                     # x is staged in dynamic shared memory: allow more than 48 KiB
                     for kernel in (
                         kernels.matvec,
@@ -1125,10 +1081,6 @@ class CUDABackend(Backend):
         - rope(q), rope(k) and the store_kv of that k: one rope_store launch, where rope(q)
           was (k's input and v must be computed by then, and nothing in between may touch
           the KV cache).
-        - Where built (mmvq.cu, ATT_MV=1; off by default), one-token GQA attention and the
-          int8 matvec of its output (one weight, no norm, nothing launched in between): one
-          attention_gqa_mv launch, for grids of at most one block per SM (the kernel's grid
-          barrier needs every block resident).
         Each computes the same float32 operations as the kernels it replaces (the norm's
         float64 sum of squares aside, which is added in another order). The recorded
         launches are left as they were (a divergent replay reruns them).
@@ -1353,44 +1305,6 @@ class CUDABackend(Backend):
             launches[bounds[iq]] = _Launch(self._k_rope_store, grid, (threads,), args)
             dropped.add(bounds[ik])
             dropped.add(bounds[s_])
-
-        # decode attention and the int8 matvec of its output (attn_output) in one launch
-        gqa_keys = {id(k): key for key, k in self._k_att_gqa.items()}
-        for i, rec in enumerate(ops):
-            if rec.key[0] != "attention" or not self.att_matvec:
-                continue
-            if i + 1 >= len(ops) or bounds[i + 1] - bounds[i] != 1 or bounds[i] in dropped:
-                continue
-            att = launches[bounds[i]]
-            if not isinstance(att, _Launch) or id(att.kernel) not in gqa_keys:
-                continue
-            out = att.args[10]
-            users = uses(out)
-            if len(users) != 1:
-                continue
-            j = users[0]
-            mv = only(j, _Matvec)
-            if mv is None or not mv.q8 or mv.n != 1 or len(mv.weights) != 1:
-                continue
-            if mv.act or mv.rope is not None or mv.norm_w is not None or not same(mv.x, out):
-                continue
-            kernels = self._quant_kernels(mv.weights[0].qtype)
-            key = gqa_keys[id(att.kernel)]
-            if key not in kernels.att_mv or mv.weights[0].m * mv.k > kernels.att_mv_max:
-                continue
-            # every block resident at once (the grid barrier): one block per SM at most
-            if int(att.grid[0]) * int(att.grid[1]) > self._n_sm:
-                continue
-            if mv.resid is not None and made_at(mv.resid) >= i:
-                continue
-            # nothing launches between the two (the matvec moves to the attention's place)
-            if any(b not in dropped for b in range(bounds[i + 1], bounds[j])):
-                continue
-            with self._stream:  # zeros before the graph's first launch
-                bar = self.cp.zeros((2,), dtype=self.cp.int32)
-            trace.refs.append(bar)  # the graph holds its address
-            launches[bounds[i]] = _AttMatvec(self, att, mv, key, bar)
-            dropped.add(bounds[j])
         return [launch for idx, launch in enumerate(launches) if idx not in dropped]
 
     # -- compute ----------------------------------------------------------------------------
@@ -1539,27 +1453,6 @@ class CUDABackend(Backend):
             pdl.launch(kernel, grid, (threads,), args, smem, pdl.stream)
         else:
             kernel(grid, (threads,), tuple(args), shared_mem=smem)
-
-    def _run_att_matvec(self, am: _AttMatvec, pdl: _DependentLauncher | None = None) -> None:
-        """Launch attention_gqa_mv: ``am.att``'s arguments, then the matvec's; its grid is the
-        attention's, or with ``att_mv_fill`` one block per SM (the blocks past the
-        attention's splits only take matvec rows)."""
-        mv = am.mv
-        dw: _DeviceWeight = mv.weights[0]
-        kernels = self._quant_kernels(dw.qtype)
-        kernel = kernels.att_mv[am.key]
-        n_kv, n_splits = (int(g) for g in am.att.grid)
-        grid = (n_kv, max(n_splits, self._n_sm // n_kv) if kernels.att_mv_fill else n_splits)
-        has_resid = mv.resid is not None
-        att_args = am.att.args  # _attention_gqa's, pdl_at last
-        args = list(att_args[:13]) + [am.bar, dw.buf, np.int64(dw.n_blocks), np.int32(dw.m)]
-        args += [mv.ys[0], np.int32(mv.k), mv.resid if has_resid else mv.ys[0]]
-        args += [np.int32(has_resid), att_args[13], np.int32(n_splits)]
-        smem = _q8_smem(1, mv.k)
-        if pdl is not None:  # the kernel calls pdl_wait()
-            pdl.launch(kernel, grid, am.att.block, args, smem, pdl.stream)
-        else:
-            kernel(grid, am.att.block, tuple(args), shared_mem=smem)
 
     def _cp_smem(self, mv: _Matvec, kernels: _Kernels) -> int:
         """Dynamic shared memory of ``mv`` through matvec_q8_n1_cp (x's codes, scales and

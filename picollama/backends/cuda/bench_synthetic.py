@@ -230,7 +230,7 @@ def profile_step(backend, reps: int = 20) -> list[tuple[str, int, float]]:
     replays; the outputs are garbage, the timing is not: no kernel's work depends on the
     values). Returns (kernel, launches per step, microseconds per step), largest first,
     and ("graph", launches, whole step) first of all."""
-    from picollama.backends.cuda.backend import _AttMatvec, _Matvec
+    from picollama.backends.cuda.backend import _Matvec
 
     trace = next(t for t in backend._traces.values() if t.graph is not None)
     launches = backend._fuse(trace) if backend.fuse else trace.launches
@@ -238,8 +238,6 @@ def profile_step(backend, reps: int = 20) -> list[tuple[str, int, float]]:
     names.update({id(k): f"attention_gqa_{d}_{g}" for (d, g), k in backend._k_att_gqa.items()})
 
     def name(launch) -> str:
-        if isinstance(launch, _AttMatvec):
-            return f"{names[id(launch.att.kernel)]} + {name(launch.mv)}"
         if not isinstance(launch, _Matvec):
             return names.get(id(launch.kernel), "get_rows")
         w = launch.weights[0]

@@ -146,14 +146,13 @@ def _read(name: str) -> str:
 
 
 def ops_source() -> str:
-    """CUDA C of the non-matmul ops (common helpers and the GQA attention body prepended)."""
-    return "\n".join((_read("common.cuh"), _read("attn_gqa.cuh"), _read("ops.cu")))
+    """CUDA C of the non-matmul ops (common helpers prepended)."""
+    return _read("common.cuh") + "\n" + _read("ops.cu")
 
 
 def quant_source(qtype: GGMLType) -> str:
     """CUDA C of the matmul, dequantize and get_rows kernels of ``qtype`` (and, for the
-    ``Q8DOT_TYPES``, the int8-activation matvec of ``mmvq.cu``, with the GQA attention body
-    that its attention + attn_output kernel takes)."""
+    ``Q8DOT_TYPES``, the int8-activation matvec of ``mmvq.cu``)."""
     qtype = GGMLType(qtype)
     block, fields = FIELDS[qtype]
     sizes = [size for _, size in fields] + [0] * (4 - len(fields))
@@ -161,5 +160,5 @@ def quant_source(qtype: GGMLType) -> str:
     defines += [f"#define LAYOUT_SZ{i} {size}" for i, size in enumerate(sizes)]
     parts = ["\n".join(defines), _read("common.cuh"), _read("quant.cu")]
     if qtype in Q8DOT_TYPES:
-        parts += [_read("attn_gqa.cuh"), _read("mmvq.cu")]
+        parts.append(_read("mmvq.cu"))
     return "\n".join(parts)

@@ -671,28 +671,14 @@ struct Job {
     int pair;
 };
 
-// x's loads: through the read-only path, or (FRESH: x was written by other blocks of this
-// same launch, attention_gqa_mv below) through L2 only
-template <bool FRESH>
-__device__ __forceinline__ float4 ld_x4(const float4* p) {
-    if constexpr (FRESH) {
-        return __ldcg(p);
-    } else {
-        return __ldg(p);
-    }
-}
-
 // W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS); CP: the
-// weights through shared memory (one token; MVQ_CP above); FRESH: x written by this launch.
-// bid, n_bid: this block's index among the n_bid blocks that share the rows (blockIdx.x,
-// gridDim.x, except in attention_gqa_mv)
-template <int NT, int XB, bool ROPE, int W, bool CP = false, bool FRESH = false>
+// weights through shared memory (one token; MVQ_CP above)
+template <int NT, int XB, bool ROPE, int W, bool CP = false>
 __device__ __forceinline__ void mvq_body(
     const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
     int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
     const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
-    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at, int bid,
-    int n_bid) {
+    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at) {
     extern __shared__ int4 mvq_smem[];
     __shared__ double red[W];
     __shared__ float s_scale[NT];
@@ -701,8 +687,8 @@ __device__ __forceinline__ void mvq_body(
     int nb32 = k >> 5;
     int bpr = k / Q::BLOCK, cpr = bpr * QD::CPB;
     int m_rows = act ? m0 : m0 + m1 + m2;
-    int row_first = bid * W + warp;
-    int n_warps = n_bid * W;
+    int row_first = blockIdx.x * W + warp;
+    int n_warps = gridDim.x * W;
 
     // Jobs: a gate row and its up row (act); a RoPE pair of q, k or v rows (ROPE: m0 / 2
     // pairs of q, then m1 / 2 of k, then m2 / 2 of v); else rows j and j + n_warps. Warp w
@@ -802,7 +788,7 @@ __device__ __forceinline__ void mvq_body(
             double acc = 0.0;
 #pragma unroll 4
             for (int j = threadIdx.x; j < k / 4; j += W * 32) {
-                float4 v = ld_x4<FRESH>(xt + j);
+                float4 v = __ldg(xt + j);
                 acc += (double)v.x * v.x + (double)v.y * v.y;
                 acc += (double)v.z * v.z + (double)v.w * v.w;
             }
@@ -835,7 +821,7 @@ __device__ __forceinline__ void mvq_body(
             int t = in ? (4 * i4) / k : 0;
             int j = 4 * i4 - t * k;
             xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (in) xv[r] = ld_x4<FRESH>((const float4*)(x + (i64)t * k + j));
+            if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
             if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
         }
 #pragma unroll
@@ -1002,8 +988,7 @@ __device__ __forceinline__ void mvq_body(
     w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2, k, x, n, norm_w, eps, norm, resid,     \
         has_resid, act,                                                                    \
         RopeArgs{rope_pos, rope_start, kc,   vc,         head_dim,   head_dim_v,              \
-                 n_rot,    neox,       n_ctx, theta_scale, freq_scale}, pdl_at,               \
-        (int)blockIdx.x, (int)gridDim.x
+                 n_rot,    neox,       n_ctx, theta_scale, freq_scale}, pdl_at
 
 // n <= MV_MAX_TOKENS rows of x (short batches), and the decode case n = 1 (fewer registers)
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8(MVQ_PARAMS) {
@@ -1046,89 +1031,3 @@ extern "C" __global__ void __launch_bounds__(MVQ_CP_WARPS * 32, 2) matvec_q8_n1_
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
     mvq_body<1, 1, true, MVQ_WARPS>(MVQ_ARGS);
 }
-
-// ------------------------------------------- decode attention + attn_output in one launch
-//
-// attention_gqa_mv_<DPL>_<GB> (one token): the blocks of attention_gqa_<DPL>_<GB> (ops.cu's
-// grid, a block per (KV head, split), attn_gqa.cuh's body) compute the attention output
-// `out`, then pass a grid barrier and take the rows of the attn_output weight between them
-// as matvec_q8_n1 would (y0 = resid + W0 . out with has_resid), in blocks of ATD_WARPS
-// warps: one launch and one dependent-launch edge less per layer. The grid may have more
-// splits than attention takes (max_splits: the attention's own grid), so that the matvec
-// has more warps: the blocks past max_splits only take rows. Each row is one warp's dot
-// in the same order as in the other matvec kernels, so the results are the same bit for bit.
-// The barrier needs every block of the grid resident at once: the backend fuses only grids
-// of at most one block per SM (n_kv_heads * splits), and dependents launch only after every
-// block has passed its own wait. Built with ATT_MV=1 only (bench_synthetic --define); the
-// backend then takes it for weights of at most ATT_MV_MAX_MK * 1024 values, and with
-// ATT_MV_FILL a grid of as many blocks as SMs where the attention's has fewer (att_mv_geom).
-//
-// Off by default: on the H200 (run 12) it made every shape slower (135M Q4_K_M 1407 ->
-// 1223 t/s, 8B 404 -> 333): the fused launch took 15 us a layer on the 135M and 31 us on
-// the 8B against 6.5 + 2.6 and 6 + 7 us for the two launches it replaces. Four warps a
-// block, one block per SM, are too few for the matvec to stream its weights, and the
-// barrier and the lost overlap of the next launch cost more than the launch edge saved.
-// (It also triples the NVRTC compile time of each int8 matvec module.)
-#ifndef ATT_MV
-#define ATT_MV 0
-#endif
-#ifndef ATT_MV_MAX_MK
-#define ATT_MV_MAX_MK (1 << 30)
-#endif
-#ifndef ATT_MV_FILL
-#define ATT_MV_FILL 1
-#endif
-#ifndef ATT_MV_XB
-#define ATT_MV_XB 4  // rounds of x loads at once (4 warps: 2048 values a round-trip)
-#endif
-#if ATT_MV
-extern "C" __device__ int att_mv_geom[2] = {ATT_MV_MAX_MK, ATT_MV_FILL};
-
-// All blocks of the grid wait here until every one has arrived (and its writes are visible):
-// bar[0] counts arrivals, bar[1] is a generation the last arrival moves on, after it has
-// reset bar[0] for the next launch (graph replays). Zeros before the first launch.
-__device__ __forceinline__ void grid_barrier(int* bar, int n_blocks) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        volatile int* vb = bar;
-        const int gen = vb[1];
-        __threadfence();
-        if (atomicAdd(bar, 1) == n_blocks - 1) {
-            atomicExch(bar, 0);
-            __threadfence();
-            atomicAdd(bar + 1, 1);
-        } else {
-            while (vb[1] == gen) {
-            }
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-#define ATT_MV_KERNEL(DPL, GB)                                                              \
-    extern "C" __global__ void __launch_bounds__(ATD_WARPS * 32) attention_gqa_mv_##DPL##_##GB( \
-        const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc, \
-        const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, float scale,        \
-        int window, float softcap, int min_keys, float* out, float* __restrict__ part,      \
-        int* __restrict__ counter, int* bar, const u8* __restrict__ w0, i64 nb0, int m0,     \
-        float* y0, int k, const float* __restrict__ resid, int has_resid, int pdl_at,       \
-        int max_splits) {                                                                   \
-        attention_gqa_body<DPL, GB>(q, kc, vc, start_ptr, n_heads, n_kv_heads, scale,       \
-                                    window, softcap, min_keys, out, part, counter, pdl_at,  \
-                                    max_splits);                                            \
-        const int n_blocks = gridDim.x * gridDim.y;                                         \
-        grid_barrier(bar, n_blocks);                                                        \
-        mvq_body<1, ATT_MV_XB, false, ATD_WARPS, false, true>(                              \
-            w0, nb0, m0, y0, w0, nb0, 0, y0, w0, nb0, 0, y0, k, out, 1, out, 0.f, 0, resid,  \
-            has_resid, 0, RopeArgs{}, -1, blockIdx.y * gridDim.x + blockIdx.x, n_blocks);   \
-    }
-ATT_MV_KERNEL(2, 1)
-ATT_MV_KERNEL(2, 2)
-ATT_MV_KERNEL(2, 4)
-ATT_MV_KERNEL(2, 8)
-ATT_MV_KERNEL(4, 1)
-ATT_MV_KERNEL(4, 2)
-ATT_MV_KERNEL(4, 4)
-ATT_MV_KERNEL(4, 8)
-#endif
