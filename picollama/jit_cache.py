@@ -46,7 +46,8 @@ def source_key(package: Path, isa: str) -> str:
 
 def cache_dir() -> Path:
     """The directory picollama's kernels compile into when ``NUMBA_CACHE_DIR`` is not set."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    root = Path(xdg) if xdg else Path.home() / ".cache"  # (RuntimeError: no home)
     package = Path(__file__).resolve().parent
     isa = os.environ.get("PICOLLAMA_CPU_ISA", "native")
     return root / "picollama" / "jit" / source_key(package, isa)
@@ -56,7 +57,11 @@ def _prune(chosen: Path) -> None:
     """Remove sibling directories (other sources) left unused for STALE_DAYS."""
     cutoff = time.time() - STALE_DAYS * 86400
     for other in chosen.parent.iterdir():
-        if other != chosen and other.is_dir() and other.stat().st_mtime < cutoff:
+        try:
+            stale = other != chosen and other.is_dir() and other.stat().st_mtime < cutoff
+        except OSError:  # removed meanwhile by another process
+            continue
+        if stale:
             shutil.rmtree(other, ignore_errors=True)
 
 
@@ -66,15 +71,15 @@ def configure() -> None:
     user_choice = os.environ.get("NUMBA_CACHE_DIR")
     if user_choice and user_choice != os.environ.get(_CHOSEN):
         return
-    chosen = cache_dir()
     try:
+        chosen = cache_dir()
         fresh = not chosen.exists()
         chosen.mkdir(parents=True, exist_ok=True)
         os.utime(chosen)  # marks it in use, for _prune in other checkouts
-        if fresh:
-            _prune(chosen)
-    except OSError:
-        return  # not writable: Numba falls back to __pycache__ or no cache
+    except (OSError, RuntimeError):
+        return  # no home or not writable: Numba keeps its own choice (__pycache__ or none)
+    if fresh:
+        _prune(chosen)
     os.environ["NUMBA_CACHE_DIR"] = os.environ[_CHOSEN] = str(chosen)
     if "numba" in sys.modules:
         # Numba read its environment already (it reads it again only when a NUMBA_

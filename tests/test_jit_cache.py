@@ -72,3 +72,13 @@ def test_unused_directories_of_other_sources_are_removed(clean_env):
     os.utime(old, (long_ago, long_ago))
     jit_cache.configure()
     assert not old.exists() and recent.exists() and jit_cache.cache_dir().exists()
+
+
+def test_an_unwritable_cache_root_leaves_numba_alone(clean_env, monkeypatch):
+    blocker = clean_env / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    before = numba.core.config.CACHE_DIR
+    jit_cache.configure()
+    assert "NUMBA_CACHE_DIR" not in os.environ
+    assert numba.core.config.CACHE_DIR == before
