@@ -63,6 +63,7 @@ SHAPES = {
 
 # mix -> (default type, type of ffn_down / output / tied embeddings)
 MIXES = {"q4_k_m": ("Q4_K", "Q6_K"), "q8_0": ("Q8_0", "Q8_0")}
+FILE_TYPES = {"q4_k_m": 15, "q8_0": 7}  # general.file_type (llama_ftype), as llama-quantize writes
 _FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # rows not a multiple of 256
 
 # offsets of the fp16 scale fields that must hold finite values, per type
@@ -104,6 +105,7 @@ def write_model(path: str, shape_name: str, mix: str, seed: int = 0) -> int:
     main_type, big_type = MIXES[mix]
     rng = np.random.default_rng(seed)
     w = GGUFWriter(path, arch="llama")
+    w.add_uint32("general.file_type", FILE_TYPES[mix])
     w.add_uint32("llama.block_count", s.n_layers)
     w.add_uint32("llama.context_length", 8192)
     w.add_uint32("llama.embedding_length", s.n_embd)
