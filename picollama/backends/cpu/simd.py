@@ -42,7 +42,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from picollama.backends.cpu.intrinsics import CPU_ISA, HOST_FEATURES
-from picollama.gguf.constants import GGMLType
+from picollama.gguf.constants import GGML_TYPES, GGMLType
 
 __all__ = [
     "SIMD_TYPES",
@@ -227,17 +227,20 @@ class _Ops:
         return b.fadd(e0, e1)
 
 
-def prefetch(b: ir.IRBuilder, ptr) -> None:
-    """A read prefetch (``llvm.prefetch``) of the cache line at the i8* ``ptr`` into every
-    level; a prefetch of an address past an array's end is harmless (it never faults)."""
+def prefetch(b: ir.IRBuilder, ptr, offset, n_bytes: int) -> None:
+    """Read prefetches (``llvm.prefetch``) into every cache level of the lines of the
+    ``n_bytes`` at byte ``offset`` (an i64 value) of the i8* ``ptr``, one per 64 bytes; a
+    prefetch past an array's end is harmless (it never faults)."""
     name = "llvm.prefetch.p0i8"
     try:
         fn = b.module.get_global(name)
     except KeyError:
         fnty = ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
         fn = ir.Function(b.module, fnty, name)
-    # read, keep in every cache level, a data (not instruction) line
-    b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+    for line in range(0, n_bytes, 64):
+        at = b.gep(ptr, [b.add(offset, ir.Constant(offset.type, line))])
+        # read, keep in every cache level, a data (not instruction) line
+        b.call(fn, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def inline_function(module: ir.Module, name: str, arg_types: list) -> tuple[ir.Function, bool]:
@@ -322,7 +325,6 @@ _LEGACY_SIZE = {
 }
 
 
-_BLOCK_BYTES = {**_LEGACY_SIZE, GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}
 # how far ahead the weight loops prefetch, in bytes: 512 to 8192 measured alike (2048 a
 # little ahead), in decode steps and in float batches
 PREFETCH_AHEAD = 2048
@@ -738,11 +740,10 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int, n_wrows: int) -> ir
     # matrices are small and split among tasks, so each task's stream is short and the
     # hardware prefetcher's ramp-up a large part of it (SmolLM2 Q4_1 step: 8.7 -> 7.1-7.5
     # ms; Gemma 3 Q4_K_M: 11.5-12.8 -> 10.0-11.5)
-    size = _BLOCK_BYTES[qtype]
+    size = GGML_TYPES[qtype].type_size
     at = b.add(b.mul(i, ir.Constant(I64, size)), ir.Constant(I64, PREFETCH_AHEAD))
     for j in range(n_wrows):
-        for line in range(0, size, 64):
-            prefetch(b, b.gep(wrows[j], [b.add(at, ir.Constant(I64, line))]))
+        prefetch(b, wrows[j], at, size)
     new = [
         step(o, wrows[j], *rows[r], i, acc, sm)
         for (j, r), acc, sm in zip(pairs, accs, summs, strict=True)
