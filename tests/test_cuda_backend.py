@@ -390,6 +390,39 @@ def test_int8_matvec_small_grid(be, qtype, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize(
+    "qtype,k",
+    [(GGMLType.Q5_0, 576), (GGMLType.Q4_K, 2560), (GGMLType.Q4_K, 4096), (GGMLType.Q6_K, 4096)],
+    ids=["Q5_0-576", "Q4_K-2560", "Q4_K-4096", "Q6_K-4096"],
+)
+def test_int8_norm_one_token_equals_batch(be, qtype, k):
+    """A folded RMS norm: one token (matvec_q8_n1) against the same token as both rows of
+    a two-token launch (matvec_q8), in blocks of as many warps: the same sum of squares in
+    the same order, the same codes and the same dots, so the same bits (a way to change the
+    one-token prologue and check it, as run 13 did). k = 2560 leaves the second round of
+    16-warp blocks part empty; m = 1200 rows keep the one-token launch off the small grids'
+    8-warp blocks."""
+    from picollama.backends.cuda.backend import _Matvec
+
+    rng = np.random.default_rng(77 + k)
+    m = 1200
+    raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
+    wt = be.weight("w", qtype, (k, m), raw)
+    row = (3.0 * rng.standard_normal((1, k))).astype(np.float32)
+    norm_w = be.from_host(rng.uniform(0.5, 1.5, k).astype(np.float32))
+    outs = []
+    for n in (1, 2):
+        x = be.from_host(np.repeat(row, n, axis=0))
+        y = be._empty((n, m))
+        mv = _Matvec(be, True, wt.data, y, x, n)
+        mv.norm_w, mv.eps = norm_w, 1e-5
+        with be._stream:
+            mv.run()
+        outs.append(be.to_host(y))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][0], outs[1][1])
+
+
 @pytest.mark.parametrize("k_blocks", [8, 24])
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=["Q4_K", "Q6_K"])
 def test_int8_matvec_through_shared_memory(be, qtype, k_blocks, monkeypatch):

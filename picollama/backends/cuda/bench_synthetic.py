@@ -2,6 +2,7 @@
 
     python -m picollama.backends.cuda.bench_synthetic [--models 135m-q4_k_m,8b-q4_k_m]
         [--dir DIR] [-p 512] [-n 128] [-r 3] [--arithmetic ggml|exact]
+    python -m picollama.backends.cuda.bench_synthetic --barrier  # a grid barrier alone
 
 Writes GGUF files with the shapes of SmolLM2-135M, Llama-3.2-1B and Llama-3-8B (random
 weights drawn with fixed seeds, quantized like Q4_K_M: Q4_K, with Q6_K for ffn_down and the
@@ -37,6 +38,7 @@ __all__ = [
     "KERNEL_SHAPES",
     "write_model",
     "kernel_bench",
+    "barrier_bench",
     "profile_step",
     "main",
 ]
@@ -410,6 +412,127 @@ def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
     return out
 
 
+_BARRIER_SRC = r"""
+// A grid barrier (every block of the grid resident): bar[0] counts arrivals, bar[1] is a
+// generation that the last arrival moves on after resetting bar[0]. FENCED: run 12's
+// (__threadfence, atomicAdd, volatile spin); else release / acquire operations at GPU scope.
+template <bool FENCED>
+__device__ __forceinline__ void grid_barrier(int* bar, int n_blocks) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (FENCED) {
+            volatile int* vb = bar;
+            const int gen = vb[1];
+            __threadfence();
+            if (atomicAdd(bar, 1) == n_blocks - 1) {
+                atomicExch(bar, 0);
+                __threadfence();
+                atomicAdd(bar + 1, 1);
+            } else {
+                while (vb[1] == gen) {
+                }
+            }
+            __threadfence();
+        } else {
+            int gen, old;
+            asm volatile("ld.acquire.gpu.b32 %0, [%1];" : "=r"(gen) : "l"(bar + 1) : "memory");
+            asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;"
+                         : "=r"(old) : "l"(bar) : "memory");
+            if (old == n_blocks - 1) {
+                asm volatile("st.relaxed.gpu.b32 [%0], 0;" ::"l"(bar) : "memory");
+                asm volatile("st.release.gpu.b32 [%0], %1;" ::"l"(bar + 1), "r"(gen + 1)
+                             : "memory");
+            } else {
+                int now;
+                do {
+                    asm volatile("ld.acquire.gpu.b32 %0, [%1];" : "=r"(now) : "l"(bar + 1)
+                                 : "memory");
+                } while (now == gen);
+            }
+        }
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void barriers_fenced(int* bar, int n) {
+    for (int i = 0; i < n; i++) grid_barrier<true>(bar, gridDim.x);
+}
+
+extern "C" __global__ void barriers_acq_rel(int* bar, int n) {
+    for (int i = 0; i < n; i++) grid_barrier<false>(bar, gridDim.x);
+}
+
+// a launch that does nothing but wait for the one before (dependent launches) and let the
+// next one in: the edge between two kernels of a decode graph
+extern "C" __global__ void edge(int* bar, int n) {
+    pdl_wait();
+    pdl_trigger();
+}
+"""
+
+
+def barrier_bench(n_barriers: int = 2000, reps: int = 5) -> list[tuple[str, float]]:
+    """(case, microseconds) of one grid barrier alone, one block per SM of 16 (and 4) warps:
+    a kernel of ``n_barriers`` barriers less a kernel of none, over ``n_barriers`` (median
+    of ``reps``); and, for comparison, a launch edge: a graph of kernels that only wait for
+    the one before, with dependent launches and without, per launch."""
+    import cupy as cp
+
+    from picollama.backends.cuda import layout
+    from picollama.backends.cuda.backend import CUDABackend
+
+    be = CUDABackend(graphs=False)
+    mod = cp.RawModule(code=layout._read("common.cuh") + _BARRIER_SRC, options=("-std=c++17",))
+    bar = cp.zeros((2,), dtype=cp.int32)
+    stream = be._stream
+    out = []
+
+    def kernel_us(kernel, grid, threads, n) -> float:
+        times = []
+        with stream:
+            for _ in range(reps + 1):
+                t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+                t0.record(stream)
+                kernel((grid,), (threads,), (bar, np.int32(n)))
+                t1.record(stream)
+                t1.synchronize()
+                times.append(cp.cuda.get_elapsed_time(t0, t1) * 1000)
+        return float(np.median(times[1:]))
+
+    n_sm = be._n_sm
+    for name in ("barriers_fenced", "barriers_acq_rel"):
+        kernel = mod.get_function(name)
+        for warps in (16, 4):
+            empty = kernel_us(kernel, n_sm, 32 * warps, 0)
+            full = kernel_us(kernel, n_sm, 32 * warps, n_barriers)
+            label = f"{name[9:]}, {n_sm} blocks of {warps} warps"
+            out.append((label, (full - empty) / n_barriers))
+    edge = mod.get_function("edge")
+    n_launch = 200
+    for pdl in (be._pdl, None):
+        with stream:
+            stream.begin_capture()
+            for _ in range(n_launch):
+                if pdl is not None:
+                    pdl.launch(edge, (n_sm,), (512,), (bar, np.int32(0)), 0, pdl.stream)
+                else:
+                    edge((n_sm,), (512,), (bar, np.int32(0)))
+            graph = stream.end_capture()
+            graph.launch(stream=stream)
+            times = []
+            for _ in range(reps):
+                t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+                t0.record(stream)
+                graph.launch(stream=stream)
+                t1.record(stream)
+                t1.synchronize()
+                times.append(cp.cuda.get_elapsed_time(t0, t1) * 1000 / n_launch)
+        kind = "dependent" if pdl is not None else "plain"
+        out.append((f"launch edge in a graph ({kind} launches, {n_sm} x 16 warps)",
+                    float(np.median(times))))  # fmt: skip
+    return out
+
+
 def _graph_us(be, launches, reps: int) -> float:
     """Microseconds per repetition of ``launches``, captured ``reps`` times into a graph."""
     import cupy as cp
@@ -452,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         help="token id, position and logits copied around the decode graph, not inside it",
     )
     p.add_argument("--profile", action="store_true", help="time each kernel of a decode step")
+    p.add_argument("--barrier", action="store_true", help="time a grid barrier alone and exit")
     p.add_argument(
         "--define",
         action="append",
@@ -467,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         for label, name, us, gbs in mvq_sweep():
             print(f"sweep {label:22s} {name:36s} {us:8.1f} us {gbs:7.0f} GB/s", flush=True)
+        return 0
+
+    if args.barrier:
+        for label, us in barrier_bench():
+            print(f"barrier {label}: {us:8.2f} us", flush=True)
         return 0
 
     if args.kernels:

@@ -373,6 +373,10 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 // writes the normalized output; with several each block writes (max, sum, unnormalized
 // output) per head to `part`, and the last block of its KV head to finish (a counter per KV
 // head, which that block resets to 0) merges them into out: no second launch.
+// With dependent launches the position and the rows of the keys before it were written
+// before the launch before this one began (the step's first copy; earlier steps), so each
+// warp's first keys are loaded before the wait (ATT_PRELOAD); only the current position's
+// row and the queries come from the Q/K/V launch this one waits for.
 
 #define ATD_WARPS 4
 
@@ -450,6 +454,12 @@ __device__ __forceinline__ void gqa_key2(const float (&qr)[GB][DPL], const float
     }
 }
 
+// ATT_PRELOAD: each warp's first keys' rows before the dependent-launch wait (run 13, H200:
+// 135M Q4_K_M 1313 -> 1401 and 1399 -> 1460 t/s on two machines; 0: every load after it)
+#ifndef ATT_PRELOAD
+#define ATT_PRELOAD 1
+#endif
+
 // Split partials: out (n_kv, n_splits, G, HD) unnormalized outputs, then (n_kv, n_splits, G)
 // pairs (max, sum), all in `part` (n_kv * n_splits * G * (HD + 2) floats).
 template <int DPL, int GB>
@@ -463,24 +473,15 @@ __device__ __forceinline__ void attention_gqa_body(
     __shared__ float sacc[ATD_WARPS][GB][HD];
     __shared__ int s_last;
     pdl_trigger_at(0, pdl_at);
+#if !ATT_PRELOAD
     pdl_wait();
     pdl_trigger_at(1, pdl_at);
+#endif
     const int kvh = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
-    // the queries' loads go out with the position's (they don't depend on it)
-    float qr[GB][DPL], acc[GB][DPL], m[GB], l[GB];
-#pragma unroll
-    for (int g = 0; g < GB; g++) {
-        m[g] = NEG_INF;
-        l[g] = 0.f;
-        const float* qh = q + (i64)(kvh * G + min(g, G - 1)) * HD + lane * DPL;
-#pragma unroll
-        for (int i = 0; i < DPL; i++) {
-            qr[g][i] = qh[i];
-            acc[g][i] = 0.f;
-        }
-    }
+    // the position was copied to the device before the graph's first kernel: it may be read
+    // before the wait, and so may every cache row before it (written by earlier steps)
     const int pos = *start_ptr;
     const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
     const int len = pos + 1 - lo;
@@ -496,13 +497,46 @@ __device__ __forceinline__ void attention_gqa_body(
     // KPI keys per warp at a time (their rows' loads in flight together), in pairs; keys past
     // the end read the last row in range and count for nothing
     constexpr int KPI = DPL * GB <= 16 ? 4 : 2;
-    for (int j = s0 + warp; j < s1; j += KPI * ATD_WARPS) {
-        float kf[KPI][DPL], vf[KPI][DPL];
+    float kf[KPI][DPL], vf[KPI][DPL];
+#if ATT_PRELOAD
+    // The warp's first KPI rows go out before the wait, except the row of the current
+    // position, which the Q/K/V launch before this one writes: it is loaded after the wait.
+    // (Same rows, same order, same arithmetic as without: the results don't change.)
+    {
+        const int j = s0 + warp;
 #pragma unroll
         for (int u = 0; u < KPI; u++) {
             const int jr = min(j + u * ATD_WARPS, s1 - 1);
-            load_halves<DPL>(kb + jr * stride, kf[u]);
-            load_halves<DPL>(vb + jr * stride, vf[u]);
+            if (j < s1 && jr < pos) {
+                load_halves<DPL>(kb + jr * stride, kf[u]);
+                load_halves<DPL>(vb + jr * stride, vf[u]);
+            }
+        }
+    }
+    pdl_wait();
+    pdl_trigger_at(1, pdl_at);
+#endif
+    // the queries' loads (written by the launch before)
+    float qr[GB][DPL], acc[GB][DPL], m[GB], l[GB];
+#pragma unroll
+    for (int g = 0; g < GB; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+        const float* qh = q + (i64)(kvh * G + min(g, G - 1)) * HD + lane * DPL;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) {
+            qr[g][i] = qh[i];
+            acc[g][i] = 0.f;
+        }
+    }
+    for (int j = s0 + warp; j < s1; j += KPI * ATD_WARPS) {
+#pragma unroll
+        for (int u = 0; u < KPI; u++) {
+            const int jr = min(j + u * ATD_WARPS, s1 - 1);
+            if (!ATT_PRELOAD || j != s0 + warp || jr >= pos) {
+                load_halves<DPL>(kb + jr * stride, kf[u]);
+                load_halves<DPL>(vb + jr * stride, vf[u]);
+            }
         }
 #pragma unroll
         for (int u = 0; u < KPI; u += 2) {
