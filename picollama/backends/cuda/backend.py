@@ -1694,8 +1694,9 @@ class CUDABackend(Backend):
         kernels of several blocks an SM, free block slots (a grid short of a full wave: the
         135M shape's gate+up, 192 blocks of 8 warps in 264 slots); else when its main work is
         done. Measured on the H200: the first everywhere made the 135M shape 10% faster than
-        the second and the 8B 2.5% slower (run 10); the 135M's gate+up triggering early too,
-        5% faster with the attention's keys loaded before its wait (run 13)."""
+        the second and the 8B 2.5% slower (run 10); the partial-wave case (run 13) was
+        tried because every launch triggering early looked 5% faster on the 135M in two
+        runs, which a third did not bear out: its own effect is within the spread."""
         if 2 * n_blocks <= self._n_sm:
             return 1
         return 1 if per_sm > 1 and n_blocks < per_sm * self._n_sm else 2
