@@ -87,11 +87,6 @@ def test_compiled_step_equals_op_by_op(tmp_path, name):
     want, want_cache, _ = _decode(path, compiled=False)
     got, got_cache, program = _decode(path, compiled=True)
     assert program is not None and program is not False and program.trusted, name
-    # the program's code was compiled for its own weight types (a literal set), not all
-    with GGUFReader(path) as reader:
-        file_types = {int(t.type) for t in reader.tensors if len(t.shape) == 2}
-    assert program.tset and not program.tset & ~step.type_set(file_types, lora=False), name
-    assert step._entry(program.tset).signatures  # the runs went through that set's code
     assert np.array_equal(got, want)
     for layer in range(len(want_cache.k)):
         assert np.array_equal(got_cache.k[layer], want_cache.k[layer])

@@ -25,14 +25,13 @@ op-by-op path's logits exactly.
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 
 import numba as nb
 import numpy as np
-from numba import literally, prange, types
-from numba.extending import intrinsic, overload
+from numba import prange, types
+from numba.extending import intrinsic
 
 from picollama.backends.base import BackendError, Weight
 from picollama.backends.cpu import attention as _attn
@@ -144,175 +143,63 @@ def _cache(cmeta, seg, which, layer):
     return nb.carray(_u16_at(m[0] + layer * m[2] * m[3] * m[4] * 2), (m[2], m[3], m[4]))
 
 
-# ---- weight types: each program's code has only the kernels of its model's types ----
-
-# A program runs with ``tset``, a literal bit set of its weights' types (bit ``1 << type``,
-# and ``_LORA_BIT`` when it has LoRA terms), and ``_run`` is compiled once per such set:
-# the dispatchers below are built from it, so that a Q4_1 model's program holds the Q4_1
-# and Q8_0 kernels and not all ten types' and LoRA's (the first compile of a SmolLM2 step,
-# 2 cores: 65 s with every type, 34 s with its own). Each set's code is cached on disk like
-# any other signature. A type's branch is compiled only where its flag (a constant) is set.
-
-_QUANT_ORDER = (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q4_K, _Q6_K, _Q8_0)
-_FLOAT_ORDER = (_F16, _BF16, _F32)
-_LORA_BIT = 1 << 62
-
-
-def type_set(weight_types, lora: bool) -> int:
-    """The ``tset`` of a program with weights of ``weight_types`` (LoRA terms if ``lora``)."""
-    bits = 0
-    for t in weight_types:
-        bits |= 1 << int(t)
-    return bits | (_LORA_BIT if lora else 0)
+@nb.njit(cache=True, nogil=True)
+def _quantize_any(qt, x):
+    """x (1, k) in the dot type of weight type ``qt``: ``(xq, xd, xs, bsums)``."""
+    if qt == _Q4_0:
+        return simd_quantize(_Q4_0, x)
+    if qt == _Q4_1:
+        return simd_quantize(_Q4_1, x)
+    if qt == _Q5_0:
+        return simd_quantize(_Q5_0, x)
+    if qt == _Q5_1:
+        return simd_quantize(_Q5_1, x)
+    if qt == _Q4_K:
+        return simd_quantize(_Q4_K, x)
+    if qt == _Q6_K:
+        return simd_quantize(_Q6_K, x)
+    return simd_quantize(_Q8_0, x)
 
 
-def _present(tset, order):
-    """(a flag per type of ``order``: in the literal ``tset``?, the last type present, the
-    dispatcher's fallback branch; ``None`` if none is)."""
-    value = tset.literal_value
-    flags = tuple(bool(value >> t & 1) for t in order)
-    last = None
-    for t, f in zip(order, flags, strict=True):
-        if f:
-            last = t
-    return flags, last
+@nb.njit(cache=True, nogil=True)
+def _rows_any(qt, w, xq, xd, xs, bsums, out, lo, hi):
+    """Outputs ``lo..hi`` of ``x @ W.T`` for weights of type ``qt``."""
+    if qt == _Q4_0:
+        simd_rows(_Q4_0, w, xq, xd, xs, bsums, out, lo, hi)
+    elif qt == _Q4_1:
+        simd_rows(_Q4_1, w, xq, xd, xs, bsums, out, lo, hi)
+    elif qt == _Q5_0:
+        simd_rows(_Q5_0, w, xq, xd, xs, bsums, out, lo, hi)
+    elif qt == _Q5_1:
+        simd_rows(_Q5_1, w, xq, xd, xs, bsums, out, lo, hi)
+    elif qt == _Q4_K:
+        simd_rows(_Q4_K, w, xq, xd, xs, bsums, out, lo, hi)
+    elif qt == _Q6_K:
+        simd_rows(_Q6_K, w, xq, xd, xs, bsums, out, lo, hi)
+    else:
+        simd_rows(_Q8_0, w, xq, xd, xs, bsums, out, lo, hi)
 
 
-def _quantize_any(tset, qt, x):
-    """x (n, k) in the dot type of weight type ``qt``: ``(xq, xd, xs, bsums)`` (compiled
-    code only, ``tset`` a literal)."""
-    raise NotImplementedError("_quantize_any is only callable from Numba-compiled code")
+@nb.njit(cache=True, nogil=True)
+def _convert_any(qt, x):
+    """x (n, k) in the dot type of float weight type ``qt``, as float32."""
+    if qt == _F16:
+        return float_convert(_F16, x)
+    if qt == _BF16:
+        return float_convert(_BF16, x)
+    return float_convert(_F32, x)
 
 
-@overload(_quantize_any)
-def _quantize_any_overload(tset, qt, x):
-    if not isinstance(tset, types.IntegerLiteral):
-        return None
-    (h40, h41, h50, h51, h4k, h6k, _), last = _present(tset, _QUANT_ORDER)
-    if last is None:
-        return None
-
-    def impl(tset, qt, x):
-        if h40 and last != _Q4_0:
-            if qt == _Q4_0:
-                return simd_quantize(_Q4_0, x)
-        if h41 and last != _Q4_1:
-            if qt == _Q4_1:
-                return simd_quantize(_Q4_1, x)
-        if h50 and last != _Q5_0:
-            if qt == _Q5_0:
-                return simd_quantize(_Q5_0, x)
-        if h51 and last != _Q5_1:
-            if qt == _Q5_1:
-                return simd_quantize(_Q5_1, x)
-        if h4k and last != _Q4_K:
-            if qt == _Q4_K:
-                return simd_quantize(_Q4_K, x)
-        if h6k and last != _Q6_K:
-            if qt == _Q6_K:
-                return simd_quantize(_Q6_K, x)
-        return simd_quantize(last, x)
-
-    return impl
-
-
-def _rows_any(tset, qt, w, xq, xd, xs, bsums, out, lo, hi):
-    """Outputs ``lo..hi`` of ``x @ W.T`` for weights of type ``qt`` (compiled code only,
-    ``tset`` a literal)."""
-    raise NotImplementedError("_rows_any is only callable from Numba-compiled code")
-
-
-@overload(_rows_any)
-def _rows_any_overload(tset, qt, w, xq, xd, xs, bsums, out, lo, hi):
-    if not isinstance(tset, types.IntegerLiteral):
-        return None
-    (h40, h41, h50, h51, h4k, h6k, _), last = _present(tset, _QUANT_ORDER)
-    if last is None:
-        return None
-
-    def impl(tset, qt, w, xq, xd, xs, bsums, out, lo, hi):
-        if h40 and last != _Q4_0:
-            if qt == _Q4_0:
-                simd_rows(_Q4_0, w, xq, xd, xs, bsums, out, lo, hi)
-                return
-        if h41 and last != _Q4_1:
-            if qt == _Q4_1:
-                simd_rows(_Q4_1, w, xq, xd, xs, bsums, out, lo, hi)
-                return
-        if h50 and last != _Q5_0:
-            if qt == _Q5_0:
-                simd_rows(_Q5_0, w, xq, xd, xs, bsums, out, lo, hi)
-                return
-        if h51 and last != _Q5_1:
-            if qt == _Q5_1:
-                simd_rows(_Q5_1, w, xq, xd, xs, bsums, out, lo, hi)
-                return
-        if h4k and last != _Q4_K:
-            if qt == _Q4_K:
-                simd_rows(_Q4_K, w, xq, xd, xs, bsums, out, lo, hi)
-                return
-        if h6k and last != _Q6_K:
-            if qt == _Q6_K:
-                simd_rows(_Q6_K, w, xq, xd, xs, bsums, out, lo, hi)
-                return
-        simd_rows(last, w, xq, xd, xs, bsums, out, lo, hi)
-
-    return impl
-
-
-def _convert_any(tset, qt, x):
-    """x (n, k) in the dot type of float weight type ``qt``, as float32 (compiled code
-    only, ``tset`` a literal)."""
-    raise NotImplementedError("_convert_any is only callable from Numba-compiled code")
-
-
-@overload(_convert_any)
-def _convert_any_overload(tset, qt, x):
-    if not isinstance(tset, types.IntegerLiteral):
-        return None
-    (h16, hb16, _), last = _present(tset, _FLOAT_ORDER)
-    if last is None:
-        return None
-
-    def impl(tset, qt, x):
-        if h16 and last != _F16:
-            if qt == _F16:
-                return float_convert(_F16, x)
-        if hb16 and last != _BF16:
-            if qt == _BF16:
-                return float_convert(_BF16, x)
-        return float_convert(last, x)
-
-    return impl
-
-
-def _float_rows_any(tset, qt, xf, w, w32, out, lo, hi):
-    """Outputs ``lo..hi`` of ``x @ W.T`` for float weights of type ``qt`` (compiled code
-    only, ``tset`` a literal)."""
-    raise NotImplementedError("_float_rows_any is only callable from Numba-compiled code")
-
-
-@overload(_float_rows_any)
-def _float_rows_any_overload(tset, qt, xf, w, w32, out, lo, hi):
-    if not isinstance(tset, types.IntegerLiteral):
-        return None
-    (h16, hb16, _), last = _present(tset, _FLOAT_ORDER)
-    if last is None:
-        return None
-
-    def impl(tset, qt, xf, w, w32, out, lo, hi):
-        k = xf.shape[1]
-        if h16 and last != _F16:
-            if qt == _F16:
-                float_rows(_F16, xf, w, w32, out, k, lo, hi)
-                return
-        if hb16 and last != _BF16:
-            if qt == _BF16:
-                float_rows(_BF16, xf, w, w32, out, k, lo, hi)
-                return
-        float_rows(last, xf, w, w32, out, k, lo, hi)
-
-    return impl
+@nb.njit(cache=True, nogil=True)
+def _float_rows_any(qt, xf, w, w32, out, lo, hi):
+    """Outputs ``lo..hi`` of ``x @ W.T`` for float weights of type ``qt``."""
+    k = xf.shape[1]
+    if qt == _F16:
+        float_rows(_F16, xf, w, w32, out, k, lo, hi)
+    elif qt == _BF16:
+        float_rows(_BF16, xf, w, w32, out, k, lo, hi)
+    else:
+        float_rows(_F32, xf, w, w32, out, k, lo, hi)
 
 
 @nb.njit(inline="always")
@@ -320,104 +207,49 @@ def _is_float(qt):
     return qt == _F32 or qt == _F16 or qt == _BF16
 
 
-def _activation(tset, qt, x):
+@nb.njit(nogil=True)
+def _activation(qt, x):
     """x in the dot type of weight type ``qt``: ``(xf, xq, xd, xs, bsums)``, the float rows
-    for a float type, else the quantized ones (the others empty); compiled code only."""
-    raise NotImplementedError("_activation is only callable from Numba-compiled code")
+    for a float type, else the quantized ones (the others empty)."""
+    if _is_float(qt):
+        xf = _convert_any(qt, x)
+        return (
+            xf,
+            np.empty((0, 0), np.int8),
+            np.empty((0, 0), np.float32),
+            np.empty((0, 0), np.float32),
+            np.empty((0, 0), np.int32),
+        )
+    xq, xd, xs, bsums = _quantize_any(qt, x)
+    return np.empty((0, 0), np.float32), xq, xd, xs, bsums
 
 
-@nb.njit(inline="always")
-def _empty_quant():
-    """The quantized activation's arrays, empty (for a float product)."""
-    return (
-        np.empty((0, 0), np.int8),
-        np.empty((0, 0), np.float32),
-        np.empty((0, 0), np.float32),
-        np.empty((0, 0), np.int32),
-    )
-
-
-@overload(_activation)
-def _activation_overload(tset, qt, x):
-    if not isinstance(tset, types.IntegerLiteral):
-        return None
-    floats = _present(tset, _FLOAT_ORDER)[1] is not None
-    quants = _present(tset, _QUANT_ORDER)[1] is not None
-
-    def float_act(tset, qt, x):
-        xf = _convert_any(tset, qt, x)
-        xq, xd, xs, bsums = _empty_quant()
-        return xf, xq, xd, xs, bsums
-
-    def quant_act(tset, qt, x):
-        xq, xd, xs, bsums = _quantize_any(tset, qt, x)
-        return np.empty((0, 0), np.float32), xq, xd, xs, bsums
-
-    float_jit, quant_jit = nb.njit(inline="always")(float_act), nb.njit(inline="always")(quant_act)
-
-    def either(tset, qt, x):
-        if _is_float(qt):
-            return float_jit(tset, qt, x)
-        return quant_jit(tset, qt, x)
-
-    if not quants:
-        return float_act
-    if not floats:
-        return quant_act
-    return either
-
-
-def _product_rows(tset, qt, wmeta, wid, act, out, lo, hi):
+@nb.njit(nogil=True)
+def _product_rows(qt, wmeta, wid, act, out, lo, hi):
     """Outputs ``lo..hi`` of the product with weight ``wid`` of type ``qt`` (``act``: the
-    activation as ``_activation`` gives it); compiled code only."""
-    raise NotImplementedError("_product_rows is only callable from Numba-compiled code")
-
-
-@overload(_product_rows)
-def _product_rows_overload(tset, qt, wmeta, wid, act, out, lo, hi):
-    if not isinstance(tset, types.IntegerLiteral):
-        return None
-    floats = _present(tset, _FLOAT_ORDER)[1] is not None
-    quants = _present(tset, _QUANT_ORDER)[1] is not None
-
-    def float_rows_of(tset, qt, wmeta, wid, act, out, lo, hi):
-        w, w32 = _weight(wmeta, wid), _weight32(wmeta, wid)
-        _float_rows_any(tset, qt, act[0], w, w32, out, lo, hi)
-
-    def quant_rows_of(tset, qt, wmeta, wid, act, out, lo, hi):
-        _rows_any(tset, qt, _weight(wmeta, wid), act[1], act[2], act[3], act[4], out, lo, hi)
-
-    float_jit = nb.njit(inline="always")(float_rows_of)
-    quant_jit = nb.njit(inline="always")(quant_rows_of)
-
-    def either(tset, qt, wmeta, wid, act, out, lo, hi):
-        if _is_float(qt):
-            float_jit(tset, qt, wmeta, wid, act, out, lo, hi)
-        else:
-            quant_jit(tset, qt, wmeta, wid, act, out, lo, hi)
-
-    if not quants:
-        return float_rows_of
-    if not floats:
-        return quant_rows_of
-    return either
+    activation as ``_activation`` gives it)."""
+    xf, xq, xd, xs, bsums = act
+    if _is_float(qt):
+        _float_rows_any(qt, xf, _weight(wmeta, wid), _weight32(wmeta, wid), out, lo, hi)
+    else:
+        _rows_any(qt, _weight(wmeta, wid), xq, xd, xs, bsums, out, lo, hi)
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
-def _matmuls(arena, src, n, k, wmeta, ins, n_tasks, tset):
+def _matmuls(arena, src, n, k, wmeta, ins, n_tasks):
     """Up to three products of one activation (n, k) (``ins``: rows of (wid, dst, m), wid
     -1 for none) in one parallel region, a row range of each per task (an absent product
     has 0 rows); x is converted once per weight type. One region, whatever the types: each
-    prange loop compiles the kernels it calls into its own code, so one loop, not four,
-    keeps the first run's compile short. ``tset``: the program's types (a literal)."""
-    literally(tset)
+    prange loop compiles the kernels it calls into its own code, so one loop, not the four
+    of a path per kind of types, keeps the first run's compile shorter (SmolLM2's first
+    step, 2 cores: 73 -> 66 s)."""
     x = arena[src : src + n * k].reshape(n, k)
     q0 = wmeta[ins[0, 0], 3]
     q1 = wmeta[ins[1, 0], 3] if ins[1, 0] >= 0 else q0
     q2 = wmeta[ins[2, 0], 3] if ins[2, 0] >= 0 else q0
-    a0 = _activation(tset, q0, x)
-    a1 = a0 if q1 == q0 else _activation(tset, q1, x)
-    a2 = a0 if q2 == q0 else a1 if q2 == q1 else _activation(tset, q2, x)
+    a0 = _activation(q0, x)
+    a1 = a0 if q1 == q0 else _activation(q1, x)
+    a2 = a0 if q2 == q0 else a1 if q2 == q1 else _activation(q2, x)
     i0, i1, i2 = ins[0, 0], max(ins[1, 0], 0), max(ins[2, 0], 0)
     m0 = ins[0, 2]
     m1 = ins[1, 2] if ins[1, 0] >= 0 else 0
@@ -426,9 +258,9 @@ def _matmuls(arena, src, n, k, wmeta, ins, n_tasks, tset):
     o1 = arena[max(ins[1, 1], 0) : max(ins[1, 1], 0) + n * m1].reshape(n, m1)
     o2 = arena[max(ins[2, 1], 0) : max(ins[2, 1], 0) + n * m2].reshape(n, m2)
     for t in prange(n_tasks):
-        _product_rows(tset, q0, wmeta, i0, a0, o0, t * m0 // n_tasks, (t + 1) * m0 // n_tasks)
-        _product_rows(tset, q1, wmeta, i1, a1, o1, t * m1 // n_tasks, (t + 1) * m1 // n_tasks)
-        _product_rows(tset, q2, wmeta, i2, a2, o2, t * m2 // n_tasks, (t + 1) * m2 // n_tasks)
+        _product_rows(q0, wmeta, i0, a0, o0, t * m0 // n_tasks, (t + 1) * m0 // n_tasks)
+        _product_rows(q1, wmeta, i1, a1, o1, t * m1 // n_tasks, (t + 1) * m1 // n_tasks)
+        _product_rows(q2, wmeta, i2, a2, o2, t * m2 // n_tasks, (t + 1) * m2 // n_tasks)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -443,13 +275,10 @@ def _run(
     starts,
     n_tasks,
     gelu,
-    tset,
 ):
     """Execute a program for tokens at ``positions`` (their embeddings already in the
     arena); segment s starts at ``starts[s]`` in caches ``k_caches[s]``, ``v_caches[s]``:
-    (n_layers, n_ctx, n_kv_heads, head_dim) uint16 F16 bits. ``tset``: the program's
-    weight types and LoRA bit (``type_set``), a literal: one compiled ``_run`` per set."""
-    literally(tset)
+    (n_layers, n_ctx, n_kv_heads, head_dim) uint16 F16 bits."""
     ins = np.full((3, 3), -1, np.int64)
     for i in range(code.shape[0]):
         c = code[i]
@@ -494,7 +323,7 @@ def _run(
                 ins[j, 0] = c[3 + 3 * j]
                 ins[j, 1] = c[4 + 3 * j]
                 ins[j, 2] = c[5 + 3 * j]
-            _matmuls(arena, c[1], n, c[2], wmeta, ins, n_tasks, tset)
+            _matmuls(arena, c[1], n, c[2], wmeta, ins, n_tasks)
             if op == _OP_GATED:
                 m = c[5]
                 g = arena[c[4] : c[4] + n * m].reshape(n, m)
@@ -560,40 +389,7 @@ def _run(
                 _attn._parallel(q, kc, vc, start, scale, c[6], softcap, out, chunk)
             else:
                 _attn._serial(q, kc, vc, start, scale, c[6], softcap, out, chunk)
-        elif op == _OP_LORA:
-            _lora_op(tset, code, fargs, i, wmeta, arena)
-
-
-@functools.cache
-def _entry(tset: int):
-    """``_run`` for the programs of type set ``tset``, callable from Python: the set is a
-    constant here, so ``_run`` is typed with it as a literal (called from Python with an
-    int, Numba would first try to compile it for any int at every call, ~0.3 s). The
-    closure captures only the integer, which keys its disk cache."""
-
-    @nb.njit(cache=True, nogil=True)
-    def entry(code, fargs, wmeta, consts, arena, cmeta, positions, starts, n_tasks, gelu):
-        _run(code, fargs, wmeta, consts, arena, cmeta, positions, starts, n_tasks, gelu, tset)
-
-    return entry
-
-
-def _lora_op(tset, code, fargs, i, wmeta, arena):
-    """Program row ``i``, a LoRA term (or the first of a run of them); compiled code only,
-    and compiled in only where ``tset`` has ``_LORA_BIT``."""
-    raise NotImplementedError("_lora_op is only callable from Numba-compiled code")
-
-
-@overload(_lora_op)
-def _lora_op_overload(tset, code, fargs, i, wmeta, arena):
-    if not isinstance(tset, types.IntegerLiteral):
-        return None
-    if not tset.literal_value & _LORA_BIT:
-        return lambda tset, code, fargs, i, wmeta, arena: None
-
-    def impl(tset, code, fargs, i, wmeta, arena):
-        c = code[i]
-        if c[8] == 1:
+        elif op == _OP_LORA and c[8] == 1:
             # [op, x, k, a_wid, bt_wid, y, dst, m, n_terms]; fargs: scale
             k, m = c[2], c[7]
             x = arena[c[1] : c[1] + k].reshape(1, k)
@@ -602,10 +398,8 @@ def _lora_op_overload(tset, code, fargs, i, wmeta, arena):
             s = np.float32(fargs[i, 0])
             a, bt = _weight(wmeta, c[3]), _weight(wmeta, c[4])
             lora_rows(x, a, wmeta[c[3], 3], bt, wmeta[c[4], 3], s, y, out)
-        elif c[8] > 1:
+        elif op == _OP_LORA and c[8] > 1:
             _lora_terms(code, fargs, i, c[8], wmeta, arena)
-
-    return impl
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
@@ -1143,8 +937,6 @@ class _Program:
             ],
             np.int64,
         ).reshape(-1, 4)
-        has_lora = bool((self.code[:, 0] == _OP_LORA).any())
-        self.tset = type_set(set(int(w.type) for w in tracer.weights), has_lora)
         self.consts = (
             np.concatenate(tracer.consts) if tracer.consts else np.zeros(0, np.float32)
         ).astype(np.float32)
@@ -1160,7 +952,7 @@ class _Program:
         # sequences of one engine may step in two threads)
         with self._lock:
             self.arena[self.embd_offset : self.embd_offset + rows.size] = rows.reshape(-1)
-            _entry(self.tset)(
+            _run(
                 self.code,
                 self.fargs,
                 self.wmeta,
