@@ -9,6 +9,7 @@ tokens) still gets the op-by-op answer.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -282,3 +283,45 @@ def test_two_threads_stepping_one_engine(tmp_path):
         for a, b in zip(alone, together, strict=True):
             assert len(b) == len(a)
             assert np.array_equal(np.concatenate(a), np.concatenate(b))
+
+
+def test_background_compile_decodes_op_by_op_until_ready(tmp_path, monkeypatch):
+    """With ``compile_in_background`` (the CLI, the server), steps run op by op while the
+    interpreter's code is made in a thread, and the program runs (and is proven) once it is
+    done; the logits are the op-by-op ones throughout."""
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    want, _, _ = _decode(path, compiled=False)
+    background = step._BackgroundCompile()
+    background.LOAD_WAIT = 0.0
+    made = threading.Event()
+    release = threading.Event()
+
+    def compile_slowly():
+        release.wait(60)
+        made.set()
+
+    monkeypatch.setattr(step, "BACKGROUND", background)
+    monkeypatch.setattr(background, "compiled", made.is_set)
+    monkeypatch.setattr(background, "_compile", compile_slowly)
+
+    backend = get_backend("cpu", n_threads=2)
+    backend.compile_in_background = True
+    got = []
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        cache = model.new_cache(32)
+        model.forward(np.array(PROMPT), 0, cache)
+        half = len(DECODE) // 2
+        for i, tok in enumerate(DECODE):
+            if i == half:
+                program = backend._steps.program(model)
+                assert program is not None and program is not False
+                assert not program.trusted  # traced, never run: the compile is pending
+                assert background.pending()
+                release.set()
+                backend.finish_compiling()
+                assert not background.pending()
+            got.append(model.forward(np.array([tok]), len(PROMPT) + i, cache))
+        assert backend._steps.program(model).trusted
+    assert np.array_equal(np.concatenate(got), want)

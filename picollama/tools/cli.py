@@ -480,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
             lora_adapters=adapters,
             **spec_kwargs,
         )
+        # the CPU's step program compiles beside the answer, not in the middle of it
+        backend = llm.ctx.backend
+        if hasattr(backend, "compile_in_background"):
+            backend.compile_in_background = True
         constraint = None
         if grammar is not None:
             constraint = grammar.constraint(TokenVocab.from_tokenizer(llm.tokenizer))
@@ -499,6 +503,16 @@ def main(argv: list[str] | None = None) -> int:
         _timings(llm, t_start)
         if llm.spec_stats is not None:
             print("\nspeculative decoding:\n" + llm.spec_stats.report(), file=sys.stderr)
+        finish = getattr(backend, "finish_compiling", None)
+        if finish is not None:
+            finish(
+                lambda: print(
+                    "picollama-cli: compiling the decode program for the next runs "
+                    "(once per install, about a minute)...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            )
         return 0
     except USER_ERRORS as err:
         print(f"picollama-cli: error: {err}", file=sys.stderr)

@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(
             args.model, n_batch=args.batch_size, n_threads=args.threads, backend=args.backend
         )
+        if hasattr(engine.backend, "compile_in_background"):
+            # requests are served op by op while the CPU's step program compiles
+            engine.backend.compile_in_background = True
         config = ServerConfig(
             n_slots=args.parallel,
             n_ctx=args.ctx_size,

@@ -40,7 +40,19 @@ class CPUBackend(Backend):
         self._weight_bytes = 0
         self._kv_bytes = 0
         self.compiled_steps = True
+        # compile the step interpreter in a thread, decoding op by op meanwhile (the CLI and
+        # the server set it: a fresh machine's first compile takes about a minute)
+        self.compile_in_background = False
         self._steps = step.StepCompiler(self)
+
+    def finish_compiling(self, notify=None) -> None:
+        """Wait for a step compile running in the background (``compile_in_background``),
+        calling ``notify()`` first if there is one: a process that exits before it ends
+        would leave nothing in the disk cache, and its next run would compile again."""
+        if step.BACKGROUND.pending():
+            if notify is not None:
+                notify()
+            step.BACKGROUND.wait()
 
     # -- memory ---------------------------------------------------------------------------
 

@@ -1014,6 +1014,81 @@ def batch_shape(segments) -> tuple | None:
     return tuple(key)
 
 
+# ---- the program interpreter's first compile, off the decoding thread ----
+
+# ``_run``'s argument types (every program passes the same ones)
+_RUN_SIGNATURE = (
+    types.int64[:, ::1],  # code
+    types.float64[:, ::1],  # fargs
+    types.int64[:, ::1],  # wmeta
+    types.float32[::1],  # consts
+    types.float32[::1],  # arena
+    types.int64[:, :, ::1],  # cmeta
+    types.int64[::1],  # positions
+    types.int64[::1],  # starts
+    types.int64,  # n_tasks
+    types.float32[::1],  # the GELU table
+)
+
+
+class _BackgroundCompile:
+    """``_run``'s machine code, made in a thread of its own.
+
+    Its first compile on a fresh machine takes about a minute on two cores (a few hundred
+    milliseconds from the disk cache after that), and a step that calls ``_run`` first
+    waits for it: an interactive front end (the CLI, the server) would stop mid-answer for
+    that long. With ``CPUBackend.compile_in_background``, steps run op by op (the same
+    logits) until the thread is done. An error in the thread is kept and ``ready`` says
+    True, so that the next call compiles in the caller and raises it there."""
+
+    LOAD_WAIT = 2.0  # seconds
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    @staticmethod
+    def compiled() -> bool:
+        return _RUN_SIGNATURE in _run.overloads
+
+    def ready(self) -> bool:
+        """True if ``_run`` has its code (or failed to get it). Else starts the thread (once)
+        and gives it ``LOAD_WAIT`` seconds, enough to load the code from the disk cache,
+        so that a warm start does not decode op by op: False if it is still compiling."""
+        if self.compiled() or self.error is not None:
+            return True
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._compile, name="picollama-step-compile", daemon=True
+                )
+                self._thread.start()
+                self._thread.join(self.LOAD_WAIT)
+        return self.compiled() or self.error is not None
+
+    def _compile(self) -> None:
+        try:
+            _run.compile(_RUN_SIGNATURE)
+        except Exception as err:  # kept for the caller's own compile to raise
+            self.error = err
+
+    def pending(self) -> bool:
+        """A compile is running."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a running compile; True if none is left running."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return not self.pending()
+
+
+BACKGROUND = _BackgroundCompile()
+
+
 class StepCompiler:
     """Per model and batch shape: trace the forward pass once the shape recurs, prove the
     program once, then run it compiled."""
@@ -1070,6 +1145,8 @@ class StepCompiler:
         args = (tokens, positions, starts, cmeta, n_tasks)
         if entry.trusted:
             return entry.run(*args)
+        if getattr(self.backend, "compile_in_background", False) and not BACKGROUND.ready():
+            return model.forward_batch(segments)  # until the interpreter's code is made
         # the program first, then the op-by-op pass, whose cache rows are the ones kept
         got = entry.run(*args)
         expected = model.forward_batch(segments)
