@@ -2,15 +2,20 @@
 
     python -m picollama.backends.cuda.bench_synthetic [--models 135m-q4_k_m,8b-q4_k_m]
         [--dir DIR] [-p 512] [-n 128] [-r 3] [--arithmetic ggml|exact]
+        [--llama-bench PATH/TO/llama-bench]  # llama.cpp's figures on the same files
     python -m picollama.backends.cuda.bench_synthetic --barrier  # a grid barrier alone
 
 Writes GGUF files with the shapes of SmolLM2-135M, Llama-3.2-1B and Llama-3-8B (random
 weights drawn with fixed seeds, quantized like Q4_K_M: Q4_K, with Q6_K for ffn_down and the
 output matrix; and Q8_0 for the 135M shape), then runs each in a fresh process: pp<N> is
 tokens/s of one prompt batch of N tokens, tg<N> of N tokens decoded one at a time (CUDA
-graphs), each the mean of -r runs after a warm-up. The decode ceiling is the device's
-memory bandwidth (a device-to-device copy, bytes read plus written) over the model file's
-bytes: a token reads every weight once.
+graphs), each the mean of -r runs after a warm-up; "pp<N> GPU-only" is N over the GPU's
+own time for that batch (the host's dispatch hidden behind a spinning kernel), so that a
+prompt figure bound by the host shows as such. The decode ceiling is the device's memory
+bandwidth (a device-to-device copy, bytes read plus written) over the model file's bytes:
+a token reads every weight once. With --llama-bench, llama.cpp's llama-bench (a CUDA build)
+times the same files, flash attention off and on, and a second table sets its medians
+beside ours (llama.cpp loads these files as they are).
 
 Only the byte format matters for speed, so the blocks are random bytes with their scale
 fields set to small finite fp16 values (quantizing 8B weights with the numpy reference
@@ -206,12 +211,63 @@ def _run_one(
             float(np.std(runs)),
             float(np.median(runs)),
         )
+    result[f"pp{n_prompt}_gpu_ms"] = _prefill_gpu_ms(ctx, backend, n_prompt, rng)
     result["graph_stats"] = dict(backend.graph_stats)
     if profile and graphs:
         result["profile"] = profile_step(backend)
     result["bandwidth"] = backend.measure_bandwidth()
     result["device"] = backend.device_name
     return result
+
+
+def _prefill_gpu_ms(ctx, backend, n: int, rng, reps: int = 3) -> float:
+    """Milliseconds of GPU work in one prompt batch of ``n`` tokens, without the host's share:
+    the backend's stream is held by a spinning kernel (~0.5 s) while the host enqueues the
+    batch, so the span between an event after the spin and one after the batch holds no wait
+    for the host (median of ``reps``). Where pp<n> is far under n over this time, the prompt
+    throughput is the host's (Python dispatch), not the kernels'. An upper bound if the
+    forward waits for the device midway or enqueues for longer than the spin."""
+    import cupy as cp
+
+    spin = cp.RawKernel(
+        'extern "C" __global__ void spin(long long n) {\n'
+        "    long long t0 = clock64();\n"
+        "    while (clock64() - t0 < n) {}\n"
+        "}\n",
+        "spin",
+    )
+    stream = backend._stream
+    times = []
+    for _ in range(reps):
+        tokens = rng.integers(0, ctx.n_vocab, size=n).tolist()
+        ctx.reset()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        with stream:
+            spin((1,), (1,), (np.int64(1 << 30),))
+            start.record(stream)
+        ctx.eval(tokens)
+        with stream:
+            stop.record(stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def _llama_cpp(exe: str, path: str, n_prompt: int, n_gen: int, reps: int) -> dict:
+    """llama.cpp's llama-bench on one file (all layers on the GPU, flash attention off and on):
+    {(test, fa): median t/s, "build": its commit}. Medians, because its first sample of a
+    test runs slow (seen on the H200: 24k against 55k t/s for the 135M's pp512)."""
+    cmd = [exe, "-m", path, "-ngl", "99", "-p", str(n_prompt), "-n", str(n_gen)]
+    cmd += ["-r", str(reps), "-fa", "off,on", "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {proc.stderr.strip()[-600:]}")
+    out: dict = {}
+    for row in json.loads(proc.stdout):
+        test = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+        out[(test, bool(row["flash_attn"]))] = float(np.median(row["samples_ts"]))
+        out["build"] = f"{row['build_commit']} ({row['build_number']})"
+    return out
 
 
 L2_DEFEAT_BYTES = 256 << 20
@@ -583,6 +639,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=VALUE",
         help="build the kernels with this macro (repeatable), e.g. PDL_TRIGGER=0",
     )
+    p.add_argument(
+        "--llama-bench",
+        metavar="EXE",
+        default=None,
+        help="also time each file with llama.cpp's llama-bench (-ngl 99, -fa off and on)",
+    )
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one model, in-process
     p.add_argument("--kernels", action="store_true", help="time single matvecs and exit")
     p.add_argument("--sweep", action="store_true", help="time int8 matvec build variants")
@@ -623,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.makedirs(args.dir, exist_ok=True)
     rows = []
+    peers: dict[str, dict] = {}
     for spec in args.models.split(","):
         shape_name, mix = spec.split("-", 1)
         path = os.path.join(args.dir, f"synth-{spec}.gguf")
@@ -650,6 +713,13 @@ def main(argv: list[str] | None = None) -> int:
         pp = res[f"pp{args.n_prompt}"]
         tg = res[f"tg{args.n_gen}"]
         rows.append((spec, size, pp, tg, res["bandwidth"], ceiling, res))
+        if args.llama_bench:
+            try:
+                peers[spec] = _llama_cpp(
+                    args.llama_bench, path, args.n_prompt, args.n_gen, args.repetitions
+                )
+            except (OSError, RuntimeError, ValueError, KeyError) as err:
+                print(f"{spec}: llama-bench: {err}", flush=True)
         profile = res.pop("profile", None)
         print(f"{spec}: {json.dumps(res)}", flush=True)
         if profile:
@@ -661,16 +731,36 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {us:8.1f} us  {count:4d} x  {kname}")
 
     print()
+    npp, ntg = args.n_prompt, args.n_gen
     print(
-        f"| model | file | pp{args.n_prompt} t/s | tg{args.n_gen} t/s | tg median | "
+        f"| model | file | pp{npp} t/s | pp{npp} GPU-only t/s | tg{ntg} t/s | tg median | "
         "ceiling t/s | tg median / ceiling |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for spec, size, pp, tg, _bw, ceiling, _ in rows:
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for spec, size, pp, tg, _bw, ceiling, res in rows:
+        gpu = npp / (res[f"pp{npp}_gpu_ms"] * 1e-3)
         print(
-            f"| {spec} | {size / 2**20:.0f} MiB | {pp[0]:.0f} ± {pp[1]:.0f} | "
+            f"| {spec} | {size / 2**20:.0f} MiB | {pp[0]:.0f} ± {pp[1]:.0f} | {gpu:.0f} | "
             f"{tg[0]:.1f} ± {tg[1]:.1f} | {tg[2]:.1f} | {ceiling:.0f} | {tg[2] / ceiling:.1%} |"
         )
+    if peers:
+        build = next(iter(peers.values()))["build"]
+        print(f"\nllama.cpp {build}, llama-bench -ngl 99, medians of -r {args.repetitions}:\n")
+        print(
+            f"| model | llama.cpp pp{npp} | with -fa | ours pp{npp} median | "
+            f"llama.cpp tg{ntg} | with -fa | ours tg{ntg} median | ours / best llama.cpp tg |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for spec, _size, pp, tg, _bw, _ceiling, _res in rows:
+            lc = peers.get(spec)
+            if lc is None:
+                continue
+            best = max(lc[(f"tg{ntg}", False)], lc[(f"tg{ntg}", True)])
+            print(
+                f"| {spec} | {lc[(f'pp{npp}', False)]:.0f} | {lc[(f'pp{npp}', True)]:.0f} | "
+                f"{pp[2]:.0f} | {lc[(f'tg{ntg}', False)]:.1f} | {lc[(f'tg{ntg}', True)]:.1f} | "
+                f"{tg[2]:.1f} | {tg[2] / best:.2f} |"
+            )
     if rows:
         dev = rows[0][6]["device"]
         print(f"\n{dev}; device bandwidth {rows[0][4] / 1e9:.0f} GB/s (copy, read + write)")
