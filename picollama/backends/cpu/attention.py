@@ -26,6 +26,7 @@ import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from picollama.backends.cpu.ggml_math import expf, hsum8_f32, v_expf
@@ -163,42 +164,124 @@ def _dot_f16_32(typingctx, krow, qh, n32):
 
 
 @intrinsic
-def _mad_f16_16(typingctx, acc, vrow, vs, n16):
-    """ggml_vec_mad_f16 on an F16 accumulator held as float32: for the first ``n16`` (a
-    multiple of 16) elements, ``acc = f16(fma(f32(vrow), vs, acc))``, 16 at a time."""
-    if vrow.dtype != types.uint16 or acc.dtype != types.float32:
+def _value_sum_f16(typingctx, acc, v_cache, lo, kvh, n, ms, vs, d0, width):
+    """ggml's value sum over ``n`` keys from ``lo`` for lanes ``d0 .. d0 + width`` (a
+    literal: 64 or 16) of KV head ``kvh``, the lanes held in registers from the first key
+    to the last: per key i, ``acc = f16(acc * ms[i])`` where ``ms[i] != 1`` (a new
+    maximum: ``one_chunk``'s rescale; times 1 would leave an F16 value as it is), then
+    ``acc = f16(fma(f32(v[lo + i]), vs[i], acc))`` (ggml_vec_mad_f16). ``acc``: float32 (F16
+    values), updated in place; ``v_cache``: uint16 (n_ctx, n_kv_heads, dv)."""
+    if not isinstance(width, types.IntegerLiteral) or v_cache.dtype != types.uint16:
         return None
+    w = width.literal_value
 
     def codegen(context, builder, signature, args):
-        acc_t, vrow_t, _, _ = signature.args
-        a_ptr = builder.bitcast(_data(context, builder, acc_t, args[0]), _F32.as_pointer())
-        v_ptr = builder.bitcast(_data(context, builder, vrow_t, args[1]), _F16.as_pointer())
-        n = args[3]
-        v16 = _vec(_F32, 16)
-        fma = _fma_decl(builder, 16)
-        splat = builder.insert_element(
-            ir.Constant(v16, None), args[2], ir.Constant(ir.IntType(32), 0)
-        )
-        splat = _lanes(builder, splat, [0] * 16)
+        acc_t, v_t = signature.args[:2]
+        acc_v, v_v, lo_v, kvh_v, n_v, ms_v, vs_v, d0_v, _ = args
+        i64 = _I64
+        vt = _vec(_F32, w)
+        ht = _vec(_F16, w)
+        fma = _fma_decl(builder, w)
+        cast = [
+            context.cast(builder, a, t, types.intp)
+            for a, t in zip(
+                (lo_v, kvh_v, n_v, d0_v),
+                (signature.args[2], signature.args[3], signature.args[4], signature.args[7]),
+                strict=True,
+            )
+        ]
+        lo_, kvh_, n_, d0_ = cast
+        va = context.make_array(v_t)(context, builder, v_v)
+        s0, s1, _ = cgutils.unpack_tuple(builder, va.strides, 3)
+        vbase = builder.bitcast(va.data, ir.IntType(8).as_pointer())
+        off = builder.add(builder.mul(lo_, s0), builder.mul(kvh_, s1))
+        vbase = builder.gep(vbase, [builder.add(off, builder.mul(d0_, ir.Constant(i64, 2)))])
+        a_ptr = builder.bitcast(_data(context, builder, acc_t, acc_v), _F32.as_pointer())
+        a_ptr = builder.bitcast(builder.gep(a_ptr, [d0_]), vt.as_pointer())
+        ms_p = builder.bitcast(_data(context, builder, signature.args[5], ms_v), _F32.as_pointer())
+        vs_p = builder.bitcast(_data(context, builder, signature.args[6], vs_v), _F32.as_pointer())
+
+        def splat(x):
+            one = builder.insert_element(ir.Constant(vt, None), x, ir.Constant(ir.IntType(32), 0))
+            return _lanes(builder, one, [0] * w)
+
+        def to_f16(x):
+            return builder.fpext(builder.fptrunc(x, ht), vt)
+
+        a0 = builder.load(a_ptr, align=4)
         entry = builder.block
-        loop = builder.append_basic_block("mad16.loop")
-        done = builder.append_basic_block("mad16.done")
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+        loop = builder.append_basic_block("vsum.loop")
+        rescale = builder.append_basic_block("vsum.rescale")
+        body = builder.append_basic_block("vsum.body")
+        done = builder.append_basic_block("vsum.done")
+        builder.cbranch(builder.icmp_signed(">", n_, ir.Constant(i64, 0)), loop, done)
         builder.position_at_end(loop)
-        i = builder.phi(_I64)
-        ap = builder.bitcast(builder.gep(a_ptr, [i]), v16.as_pointer())
-        vp = builder.bitcast(builder.gep(v_ptr, [i]), _vec(_F16, 16).as_pointer())
-        v = builder.fpext(builder.load(vp, align=2), v16)
-        r = builder.call(fma, [v, splat, builder.load(ap, align=4)])
-        builder.store(builder.fpext(builder.fptrunc(r, _vec(_F16, 16)), v16), ap, align=4)
-        i1 = builder.add(i, ir.Constant(_I64, 16))
-        i.add_incoming(ir.Constant(_I64, 0), entry)
-        i.add_incoming(i1, loop)
-        builder.cbranch(builder.icmp_signed("<", i1, n), loop, done)
+        i = builder.phi(i64)
+        a = builder.phi(vt)
+        m = builder.load(builder.gep(ms_p, [i]))
+        builder.cbranch(builder.fcmp_unordered("!=", m, ir.Constant(_F32, 1.0)), rescale, body)
+        builder.position_at_end(rescale)
+        a_s = to_f16(builder.fmul(a, splat(m), flags=("arcp",)))
+        builder.branch(body)
+        builder.position_at_end(body)
+        a_in = builder.phi(vt)
+        a_in.add_incoming(a, loop)
+        a_in.add_incoming(a_s, rescale)
+        vp = builder.bitcast(builder.gep(vbase, [builder.mul(i, s0)]), ht.as_pointer())
+        v = builder.fpext(builder.load(vp, align=2), vt)
+        a1 = to_f16(builder.call(fma, [v, splat(builder.load(builder.gep(vs_p, [i]))), a_in]))
+        i1 = builder.add(i, ir.Constant(i64, 1))
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        i.add_incoming(i1, body)
+        a.add_incoming(a0, entry)
+        a.add_incoming(a1, body)
+        builder.cbranch(builder.icmp_signed("<", i1, n_), loop, done)
         builder.position_at_end(done)
+        final = builder.phi(vt)
+        final.add_incoming(a0, entry)
+        final.add_incoming(a1, body)
+        builder.store(final, a_ptr, align=4)
         return context.get_dummy_value()
 
-    return types.void(acc, vrow, vs, n16), codegen
+    sig = types.void(acc, v_cache, lo, kvh, n, ms, vs, d0, width)
+    return sig, codegen
+
+
+def value_sum(acc, v_cache, lo, kvh, ms, vs):
+    """``acc`` (F16 values as float32, zeros) becomes ggml's value sum over the keys
+    ``lo .. lo + len(vs)`` of KV head ``kvh`` with the factors of ``one_chunk``'s online
+    softmax: per key, the rescale by ``ms`` where it is not 1, then ggml_vec_mad_f16 by ``vs``."""
+    raise NotImplementedError("value_sum is only callable from Numba-compiled code")
+
+
+@overload(value_sum, inline="always")
+def _value_sum_overload(acc, v_cache, lo, kvh, ms, vs):
+    vector = HAS_F16C and v_cache.dtype == types.uint16
+
+    def impl(acc, v_cache, lo, kvh, ms, vs):
+        n = vs.shape[0]
+        dv = acc.shape[0]
+        d = 0
+        if vector:
+            # 64 lanes (8 registers) at a time, then 16: each lane its own chain, so
+            # the blocks may run one after another, every key for each
+            while d + 64 <= dv:
+                _value_sum_f16(acc, v_cache, lo, kvh, n, ms, vs, d, 64)
+                d += 64
+            while d + 16 <= dv:
+                _value_sum_f16(acc, v_cache, lo, kvh, n, ms, vs, d, 16)
+                d += 16
+        if d < dv:
+            tail = acc[d:]
+            for i in range(n):
+                if ms[i] != 1:
+                    for e in range(tail.shape[0]):
+                        tail[e] = round_f16(tail[e] * ms[i])
+                vrow = v_cache[lo + i, kvh]
+                for e in range(tail.shape[0]):
+                    tail[e] = round_f16(fma_f32(kv1(vrow, d + e), vs[i], tail[e]))
+
+    return impl
 
 
 def dot_f16_32(krow, qh, n32):
@@ -231,26 +314,6 @@ def _dot_f16_32_overload(krow, qh, n32):
     return impl
 
 
-def mad_f16(acc, vrow, vs):
-    """``acc = f16(fma(f32(vrow), vs, acc))`` element by element (ggml_vec_mad_f16)."""
-    raise NotImplementedError("mad_f16 is only callable from Numba-compiled code")
-
-
-@overload(mad_f16, inline="always")
-def _mad_f16_overload(acc, vrow, vs):
-    vector = HAS_F16C and vrow.dtype == types.uint16
-
-    def impl(acc, vrow, vs):
-        n = acc.shape[0]
-        n16 = n - n % 16 if vector else 0
-        if n16 > 0:
-            _mad_f16_16(acc, vrow, vs, n16)
-        for d in range(n16, n):
-            acc[d] = round_f16(fma_f32(kv1(vrow, d), vs, acc[d]))
-
-    return impl
-
-
 # Module-level functions, not closures: Numba's disk cache finds them again in the next
 # process (a closure over other compiled functions was compiled anew at every start). The
 # cache's dtype is part of each signature, so each dtype gets its own compiled code.
@@ -258,40 +321,53 @@ def _mad_f16_overload(acc, vrow, vs):
 
 @nb.njit(nogil=True, cache=True, fastmath=False)
 def one_chunk(q, k_cache, v_cache, start, scale, window, softcap, out, t, h, group):
-    """One query row against its keys: ggml's ..._f16_one_chunk."""
+    """One query row against its keys: ggml's ..._f16_one_chunk, in three passes.
+
+    ggml walks the keys once: score, online-softmax update (``expf``), value sum. Here the
+    scores come first (vector code only), then the softmax's factors in key order (scalar
+    code and the ``expf`` calls), then the value sum with its lanes held in registers
+    (``value_sum``): the same operations on every value in the same order, so the same
+    bits, without a library call inside the vector loop (a call spills every vector
+    register the value sum keeps)."""
     head_dim = q.shape[2]
     dv = v_cache.shape[2]
     kvh = h // group
     pos = start + t
     lo = max(0, pos - window + 1) if window > 0 else 0
     hi = pos + 1
+    n = max(hi - lo, 0)
     qh = np.empty(head_dim, _F)
     for d in range(head_dim):
         qh[d] = round_f16(q[t, h, d])
-    acc = np.zeros(dv, _F)  # VKQ16: F16 values held in float32
-    big_m = _NEG_INF
-    total = _F(0.0)
     n32 = head_dim - head_dim % 32
-    for j in range(lo, hi):
-        krow = k_cache[j, kvh]  # (head_dim,): one key, contiguous
+    scores = np.empty(n, _F)
+    for i in range(n):
+        krow = k_cache[lo + i, kvh]  # (head_dim,): one key, contiguous
         # ggml_vec_dot_f16: 4 x 8 lanes of FMAs, its REDUCE order, then the tail in double
         sd = np.float64(dot_f16_32(krow, qh, n32))
-        for i in range(n32, head_dim):
-            sd += np.float64(kv1(krow, i) * qh[i])
-        s = _F(sd) * scale
+        for e in range(n32, head_dim):
+            sd += np.float64(kv1(krow, e) * qh[e])
+        scores[i] = _F(sd) * scale
+    ms_all = np.empty(n, _F)
+    vs_all = np.empty(n, _F)
+    big_m = _NEG_INF
+    total = _F(0.0)
+    for i in range(n):
+        s = scores[i]
         if softcap > 0:
             s = softcap * math.tanh(s)  # tanhf
         ms = _F(1.0)
         vs = _F(1.0)
         if s > big_m:
-            ms = expf(big_m - s)
+            ms = expf(big_m - s)  # the sum so far rescaled, then this key's V added once
             big_m = s
-            for d in range(dv):
-                acc[d] = round_f16(acc[d] * ms)
         else:
             vs = expf(s - big_m)
-        mad_f16(acc, v_cache[j, kvh], vs)
+        ms_all[i] = ms
+        vs_all[i] = vs
         total = fma_f32(total, ms, vs)  # S = S*ms + vs, contracted by the compiler
+    acc = np.zeros(dv, _F)  # VKQ16: F16 values held in float32
+    value_sum(acc, v_cache, lo, kvh, ms_all, vs_all)
     inv = _F(1.0) / total if total != 0 else _F(0.0)
     for d in range(dv):
         out[t, h * dv + d] = acc[d] * inv
