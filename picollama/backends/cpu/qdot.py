@@ -471,7 +471,7 @@ def _c_contiguous_overload(a):
 
 
 def _float_dot_few(qtype, count, n_wrows, w, r, xc, i, out, k, pf_off, pf_step):
-    """``float_dot_rows`` of ``count`` rows of x, 0..FLOAT_GROUP known at run time
+    """``float_dot_rows`` of ``count`` rows of x, 1..FLOAT_GROUP known at run time
     only, by ``n_wrows`` weight rows, FLOAT_WROWS or 1 (compiled code only, ``qtype`` and
     ``n_wrows`` literals)."""
     raise NotImplementedError("_float_dot_few is only callable from Numba-compiled code")
@@ -482,25 +482,37 @@ def _float_dot_few_overload(qtype, count, n_wrows, w, r, xc, i, out, k, pf_off, 
     if not all(isinstance(v, types.IntegerLiteral) for v in (qtype, n_wrows)):
         return None
     q, nw = qtype.literal_value, n_wrows.literal_value
-    assert FLOAT_GROUP <= 8
+    assert 4 <= FLOAT_GROUP <= 6
+    # only the counts a pass can have (1..FLOAT_GROUP): each call inlines a whole tile,
+    # and every branch is compiled into the step program, reached or not
 
-    def impl(qtype, count, n_wrows, w, r, xc, i, out, k, pf_off, pf_step):
-        if count == 1:
-            float_dot_rows(q, 1, nw, w, r, xc, i, out, k, pf_off, pf_step)
-        elif count == 2:
-            float_dot_rows(q, 2, nw, w, r, xc, i, out, k, pf_off, pf_step)
-        elif count == 3:
-            float_dot_rows(q, 3, nw, w, r, xc, i, out, k, pf_off, pf_step)
-        elif count == 4:
-            float_dot_rows(q, 4, nw, w, r, xc, i, out, k, pf_off, pf_step)
-        elif count == 5:
-            float_dot_rows(q, 5, nw, w, r, xc, i, out, k, pf_off, pf_step)
-        elif count == 6:
-            float_dot_rows(q, 6, nw, w, r, xc, i, out, k, pf_off, pf_step)
-        elif count == 7:
-            float_dot_rows(q, 7, nw, w, r, xc, i, out, k, pf_off, pf_step)
-        elif count == 8:
-            float_dot_rows(q, 8, nw, w, r, xc, i, out, k, pf_off, pf_step)
+    if FLOAT_GROUP == 4:
+
+        def impl(qtype, count, n_wrows, w, r, xc, i, out, k, pf_off, pf_step):
+            if count == 1:
+                float_dot_rows(q, 1, nw, w, r, xc, i, out, k, pf_off, pf_step)
+            elif count == 2:
+                float_dot_rows(q, 2, nw, w, r, xc, i, out, k, pf_off, pf_step)
+            elif count == 3:
+                float_dot_rows(q, 3, nw, w, r, xc, i, out, k, pf_off, pf_step)
+            elif count == 4:
+                float_dot_rows(q, 4, nw, w, r, xc, i, out, k, pf_off, pf_step)
+
+    else:
+
+        def impl(qtype, count, n_wrows, w, r, xc, i, out, k, pf_off, pf_step):
+            if count == 1:
+                float_dot_rows(q, 1, nw, w, r, xc, i, out, k, pf_off, pf_step)
+            elif count == 2:
+                float_dot_rows(q, 2, nw, w, r, xc, i, out, k, pf_off, pf_step)
+            elif count == 3:
+                float_dot_rows(q, 3, nw, w, r, xc, i, out, k, pf_off, pf_step)
+            elif count == 4:
+                float_dot_rows(q, 4, nw, w, r, xc, i, out, k, pf_off, pf_step)
+            elif count == 5:
+                float_dot_rows(q, 5, nw, w, r, xc, i, out, k, pf_off, pf_step)
+            elif count == 6:
+                float_dot_rows(q, 6, nw, w, r, xc, i, out, k, pf_off, pf_step)
 
     return impl
 
