@@ -120,6 +120,18 @@ class _Ops:
             b.extract_element(pair, ir.Constant(I32, 1)),
         )
 
+    def scale_and_min(self, w, base, dy, xs, i, summs):
+        """A Q4_1 / Q5_1 block's ``dx * dy`` splat to 8 lanes, and ``summs`` with the
+        block's ``m * sy`` added: ggml's two scalar products done as one multiply of the
+        pairs (dx, m) and (dy, sy). ``summs`` is <2 x float>; lane 1 is ggml's running sum
+        of the min terms (lane 0 adds the dx * dy products, never read)."""
+        b = self.b
+        pair = b.fpext(self.load(w, base, _vec(F16, 2)), _vec(F32, 2))
+        sy = b.load(b.gep(b.bitcast(xs, F32.as_pointer()), [i]))
+        y = b.insert_element(ir.Constant(_vec(F32, 2), None), dy, ir.Constant(I32, 0))
+        prod = b.fmul(pair, b.insert_element(y, sy, ir.Constant(I32, 1)))
+        return self.splat8(b.extract_element(prod, ir.Constant(I32, 0))), b.fadd(summs, prod)
+
     def maddubs(self, a_u8, b_s8):
         """pmaddubsw: adjacent pairs of u8 * s8 products summed to i16 (saturating)."""
         if HAS_AVX2:
@@ -205,9 +217,9 @@ class _Ops:
         """bytes_from_nibbles_32: 16 bytes -> low nibbles in bytes 0..15, high in 16..31."""
         b = self.b
         q = self.load(ptr, offset, _vec(I8, 16))
-        lo = b.and_(q, _splat(I8, 16, 0x0F))
-        hi = b.lshr(q, _splat(I8, 16, 4))
-        return b.shuffle_vector(lo, hi, _mask(range(32)))
+        both = b.bitcast(b.shuffle_vector(q, q, _mask(list(range(16)) * 2)), _vec(I32, 8))
+        shift = ir.Constant(_vec(I32, 8), [ir.Constant(I32, s) for s in [0] * 4 + [4] * 4])
+        return b.and_(b.bitcast(b.lshr(both, shift), _vec(I8, 32)), _splat(I8, 32, 0x0F))
 
     def bits_32(self, ptr, offset):
         """bytes_from_bits_32: bit j of the u32 at ``offset`` -> byte j, 0xFF or 0x00."""
@@ -279,9 +291,7 @@ def _legacy_body(qtype):
         base = b.mul(i, ir.Constant(I64, size))
         qy = o.load(xq, b.mul(i, ir.Constant(I64, 32)), _vec(I8, 32))
         dy = b.load(b.gep(xd, [i]))
-        if qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
-            dx, m = o.load_f16_pair(w, base)
-        else:
+        if qtype not in (GGMLType.Q4_1, GGMLType.Q5_1):
             dx = o.load_f16(w, base)
         if qtype == GGMLType.Q4_0:
             # Q4_0: nibble - 8
@@ -289,9 +299,7 @@ def _legacy_body(qtype):
             q = o.mul_sum_i8_pairs_float(qx, qy)
             acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
         elif qtype == GGMLType.Q4_1:
-            sy = b.load(b.gep(b.bitcast(xs, F32.as_pointer()), [i]))
-            summs = b.fadd(summs, b.fmul(m, sy))
-            d0d1 = b.fmul(o.splat8(dx), o.splat8(dy))
+            d0d1, summs = o.scale_and_min(w, base, dy, xs, i, summs)
             qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 4)))
             acc = o.fma8(d0d1, o.mul_sum_us8_pairs_float(qx, qy), acc)
         elif qtype == GGMLType.Q5_0:
@@ -301,12 +309,11 @@ def _legacy_body(qtype):
             q = o.mul_sum_i8_pairs_float(b.or_(qx, hi), qy)
             acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
         elif qtype == GGMLType.Q5_1:
-            sy = b.load(b.gep(b.bitcast(xs, F32.as_pointer()), [i]))
-            summs = b.fadd(summs, b.fmul(m, sy))
+            d0d1, summs = o.scale_and_min(w, base, dy, xs, i, summs)
             qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 8)))
             hi = b.and_(o.bits_32(w, b.add(base, ir.Constant(I64, 4))), _splat(I8, 32, 0x10))
             q = o.mul_sum_us8_pairs_float(b.or_(qx, hi), qy)
-            acc = o.fma8(q, b.fmul(o.splat8(dx), o.splat8(dy)), acc)
+            acc = o.fma8(q, d0d1, acc)
         else:  # Q8_0
             qx = o.load(w, b.add(base, ir.Constant(I64, 2)), _vec(I8, 32))
             q = o.mul_sum_i8_pairs_float(qx, qy)
@@ -728,6 +735,8 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int, n_wrows: int) -> ir
     summs0 = (
         ir.Constant(_vec(F32, 4), [ir.Constant(F32, 0.0)] * 4)
         if qtype == GGMLType.Q4_K
+        else ir.Constant(_vec(F32, 2), [ir.Constant(F32, 0.0)] * 2)
+        if qtype in (GGMLType.Q4_1, GGMLType.Q5_1)
         else ir.Constant(F32, 0.0)
     )
     b.branch(loop)
@@ -769,7 +778,7 @@ def _define(module: ir.Module, qtype: GGMLType, n_rows: int, n_wrows: int) -> ir
             )
             total = b.fadd(total, m)
         elif qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
-            total = b.fadd(total, sm1)
+            total = b.fadd(total, b.extract_element(sm1, ir.Constant(I32, 1)))
         dst = b.gep(row(out, so, r), [ir.Constant(I64, 4 * j)])
         b.store(total, b.bitcast(dst, F32.as_pointer()))
     b.ret_void()
