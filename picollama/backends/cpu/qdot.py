@@ -254,7 +254,8 @@ def _simd_parts(qtype: int):
     """(quantize, rows) for a type with a SIMD block dot (``simd.vec_dot_rows``).
 
     ``quantize(x)`` converts the activation rows to the type's dot type (in parallel over
-    rows for a batch) and returns ``(xq, xd, xs, bsums)``; ``rows(w, xq, xd, xs, bsums,
+    rows for a batch) and returns ``(xq, xd, xs, bsums)``, ``xs`` for Q8_1 each block's
+    scale and sum side by side (n, 2 * blocks); ``rows(w, xq, xd, xs, bsums,
     out, r_lo, r_hi)`` fills ``out[:, r_lo:r_hi]``: for decode row by row, for a batch each
     weight row once per tile of x rows, dotted with several x rows at a time."""
     qtype = int(qtype)
@@ -295,6 +296,14 @@ def _simd_parts(qtype: int):
                         sbits[i : i + 1],
                         with_sum,
                     )
+            if with_sum:
+                # the SIMD dots read a block's scale and sum as one pair
+                pairs = np.empty((n, 2 * nb), np.float32)
+                for i in range(n):
+                    for b in range(nb):
+                        pairs[i, 2 * b] = xd[i, b]
+                        pairs[i, 2 * b + 1] = xs[i, b]
+                return xq, xd, pairs, bsums
         return xq, xd, xs, bsums
 
     # decode: one weight row at a time. Two rows' independent accumulator chains looked
@@ -349,7 +358,7 @@ def _simd_parts(qtype: int):
                 for blk in range(nb):
                     xdp[blk, u] = xd[i0 + u, blk]
                     if with_sum:
-                        xsp[blk, u] = xs[i0 + u, blk]
+                        xsp[blk, u] = xs[i0 + u, 2 * blk + 1]
                     for j in range(32):
                         xqp[blk, 32 * u + j] = xq[i0 + u, 32 * blk + j]
                     if with_offset:

@@ -20,8 +20,8 @@ vector code (widen, multiply, add adjacent pairs), which LLVM lowers for any tar
 
 ``vec_dot_rows(qtype, n, nw, w, r, xq, xd, xs, bsums, i, out)`` (a Numba intrinsic, the
 first three literals) dots rows ``r..r+nw-1`` of the weights ``w`` (uint8 (m, row_bytes))
-with rows ``i..i+n-1`` of the quantized activations (``qdot_act.quantize_rows``: int8 quants ``xq``,
-float32 block scales ``xd``, Q8_1 sums ``xs``, Q8_K ``bsums``) into column ``r`` of
+with rows ``i..i+n-1`` of the quantized activations (``qdot._simd_parts``: int8 quants ``xq``,
+float32 block scales ``xd``, Q8_1 (scale, sum) pairs ``xs``, Q8_K ``bsums``) into column ``r`` of
 ``out``; the weight block is unpacked once for the ``n`` rows (prefill).
 
 ``vec_dot_packed`` does the same for the 32-weight types with activations copied
@@ -120,16 +120,16 @@ class _Ops:
             b.extract_element(pair, ir.Constant(I32, 1)),
         )
 
-    def scale_and_min(self, w, base, dy, xs, i, summs):
+    def scale_and_min(self, w, base, xs, i, summs):
         """A Q4_1 / Q5_1 block's ``dx * dy`` splat to 8 lanes, and ``summs`` with the
         block's ``m * sy`` added: ggml's two scalar products done as one multiply of the
-        pairs (dx, m) and (dy, sy). ``summs`` is <2 x float>; lane 1 is ggml's running sum
-        of the min terms (lane 0 adds the dx * dy products, never read)."""
+        pairs (dx, m) and (dy, sy), the latter side by side in ``xs``. ``summs`` is
+        <2 x float>; lane 1 is ggml's running sum of the min terms (lane 0 adds the
+        dx * dy products, never read)."""
         b = self.b
         pair = b.fpext(self.load(w, base, _vec(F16, 2)), _vec(F32, 2))
-        sy = b.load(b.gep(b.bitcast(xs, F32.as_pointer()), [i]))
-        y = b.insert_element(ir.Constant(_vec(F32, 2), None), dy, ir.Constant(I32, 0))
-        prod = b.fmul(pair, b.insert_element(y, sy, ir.Constant(I32, 1)))
+        y = self.load(xs, b.mul(i, ir.Constant(I64, 8)), _vec(F32, 2))
+        prod = b.fmul(pair, y)
         return self.splat8(b.extract_element(prod, ir.Constant(I32, 0))), b.fadd(summs, prod)
 
     def maddubs(self, a_u8, b_s8):
@@ -299,7 +299,7 @@ def _legacy_body(qtype):
             q = o.mul_sum_i8_pairs_float(qx, qy)
             acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
         elif qtype == GGMLType.Q4_1:
-            d0d1, summs = o.scale_and_min(w, base, dy, xs, i, summs)
+            d0d1, summs = o.scale_and_min(w, base, xs, i, summs)
             qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 4)))
             acc = o.fma8(d0d1, o.mul_sum_us8_pairs_float(qx, qy), acc)
         elif qtype == GGMLType.Q5_0:
@@ -309,7 +309,7 @@ def _legacy_body(qtype):
             q = o.mul_sum_i8_pairs_float(b.or_(qx, hi), qy)
             acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
         elif qtype == GGMLType.Q5_1:
-            d0d1, summs = o.scale_and_min(w, base, dy, xs, i, summs)
+            d0d1, summs = o.scale_and_min(w, base, xs, i, summs)
             qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 8)))
             hi = b.and_(o.bits_32(w, b.add(base, ir.Constant(I64, 4))), _splat(I8, 32, 0x10))
             q = o.mul_sum_us8_pairs_float(b.or_(qx, hi), qy)
