@@ -299,10 +299,8 @@ def _simd_parts(qtype: int):
             if with_sum:
                 # the SIMD dots read a block's scale and sum as one pair
                 pairs = np.empty((n, 2 * nb), np.float32)
-                for i in range(n):
-                    for b in range(nb):
-                        pairs[i, 2 * b] = xd[i, b]
-                        pairs[i, 2 * b + 1] = xs[i, b]
+                pairs[:, 0::2] = xd
+                pairs[:, 1::2] = xs
                 return xq, xd, pairs, bsums
         return xq, xd, xs, bsums
 

@@ -278,46 +278,24 @@ _ARGS = [I8.as_pointer(), I8.as_pointer(), F32.as_pointer(), I8.as_pointer(), I6
 
 def _legacy_body(qtype):
     """The per-block step of the 32-weight types, as ``step(ops, w, xq, xd, xs, i, acc, summs)``."""
-    size = {
-        GGMLType.Q4_0: 18,
-        GGMLType.Q4_1: 20,
-        GGMLType.Q5_0: 22,
-        GGMLType.Q5_1: 24,
-        GGMLType.Q8_0: 34,
-    }[qtype]
+    size = _LEGACY_SIZE[qtype]
+    weights = _legacy_weights(qtype)
+    signed = qtype in (GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0)
 
     def step(o: _Ops, w, xq, xd, xs, i, acc, summs):
         b = o.b
-        base = b.mul(i, ir.Constant(I64, size))
         qy = o.load(xq, b.mul(i, ir.Constant(I64, 32)), _vec(I8, 32))
-        dy = b.load(b.gep(xd, [i]))
-        if qtype not in (GGMLType.Q4_1, GGMLType.Q5_1):
-            dx = o.load_f16(w, base)
-        if qtype == GGMLType.Q4_0:
-            # Q4_0: nibble - 8
-            qx = b.sub(o.nibbles_32(w, b.add(base, ir.Constant(I64, 2))), _splat(I8, 32, 8))
+        dx, _, qx = weights(o, w, i)
+        if qtype in (GGMLType.Q4_1, GGMLType.Q5_1):
+            base = b.mul(i, ir.Constant(I64, size))
+            d, summs = o.scale_and_min(w, base, xs, i, summs)
+        else:
+            d = o.splat8(b.fmul(dx, b.load(b.gep(xd, [i]))))
+        if signed:
             q = o.mul_sum_i8_pairs_float(qx, qy)
-            acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
-        elif qtype == GGMLType.Q4_1:
-            d0d1, summs = o.scale_and_min(w, base, xs, i, summs)
-            qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 4)))
-            acc = o.fma8(d0d1, o.mul_sum_us8_pairs_float(qx, qy), acc)
-        elif qtype == GGMLType.Q5_0:
-            qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 6)))
-            hi = o.bits_32(w, b.add(base, ir.Constant(I64, 2)))
-            hi = b.and_(b.xor(hi, _splat(I8, 32, -1)), _splat(I8, 32, -16))  # andnot 0xF0
-            q = o.mul_sum_i8_pairs_float(b.or_(qx, hi), qy)
-            acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
-        elif qtype == GGMLType.Q5_1:
-            d0d1, summs = o.scale_and_min(w, base, xs, i, summs)
-            qx = o.nibbles_32(w, b.add(base, ir.Constant(I64, 8)))
-            hi = b.and_(o.bits_32(w, b.add(base, ir.Constant(I64, 4))), _splat(I8, 32, 0x10))
-            q = o.mul_sum_us8_pairs_float(b.or_(qx, hi), qy)
-            acc = o.fma8(q, d0d1, acc)
-        else:  # Q8_0
-            qx = o.load(w, b.add(base, ir.Constant(I64, 2)), _vec(I8, 32))
-            q = o.mul_sum_i8_pairs_float(qx, qy)
-            acc = o.fma8(o.splat8(b.fmul(dx, dy)), q, acc)
+        else:
+            q = o.mul_sum_us8_pairs_float(qx, qy)
+        acc = o.fma8(d, q, acc)
         return acc, summs
 
     return step
@@ -339,7 +317,8 @@ PREFETCH_AHEAD = 2048
 
 def _legacy_weights(qtype):
     """``weights(o, w, i)`` -> (dx, m, qx): block i's scale, min (Q4_1, Q5_1, else None)
-    and 32 quant bytes (signed for Q4_0, Q5_0, Q8_0), unpacked as ``_legacy_body`` does."""
+    and 32 quant bytes (signed for Q4_0, Q5_0, Q8_0): ggml's unpacking, for ``_legacy_body``
+    and ``_define_packed``."""
     size = _LEGACY_SIZE[qtype]
 
     def weights(o: _Ops, w, i):
