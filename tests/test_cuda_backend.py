@@ -7,13 +7,23 @@ Error bounds, and why:
 - Dequantization (get_rows) is bit-exact: the kernels repeat ggml's float32 operations in
   order (``__fmul_rn``/``__fadd_rn``, no FMA contraction), so every type must equal
   ``picollama.quant.dequantize`` exactly.
-- matmul with float activations (arithmetic "exact", every type; arithmetic "ggml" for the
-  types without an int8 kernel; and prefill, through cuBLAS, in both): the weights are
+- matmul with float activations (arithmetic "exact", every type, and its prefill through
+  SGEMM; arithmetic "ggml" for the types without an int8 kernel): the weights are
   dequantized exactly, so the only error is float32 summation, in any order. The classical
   bound for a float32 sum of k products is ``|err| <= gamma_k * sum_j |x_j w_j|`` with
   ``gamma_k ~ k * 2**-24``; we allow ``(k + 32) * 2**-24 * (|x| @ |W|^T)`` per output. TF32
   or fp16 arithmetic (10-bit mantissas) would break it by a factor of 2**13, and a wrong
   weight by far more.
+- prefill with arithmetic "ggml" (more than ``MV_MAX_TOKENS`` rows: fp16 tiles and fp16 x on
+  the tensor cores, float32 sums): rounding v to fp16 moves it by at most
+  ``2**-11 |v| + 2**-25`` (relative in the normal range, half the subnormal spacing below
+  it); x is first divided by a power of two s (exact; s = 1 unless max|x| >= 2**15), so its
+  error is ``2**-11 |x| + 2**-25 s``. The products of the rounded values are exact in
+  float32 and their sum is off by at most ``(k + 64) * 2**-23`` of ``|x| @ |W|^T`` (2**-23:
+  the tensor cores' float32 adds are not all round-to-nearest). In all,
+  ``(2**-10 + (k + 64) * 2**-23) * (|x| @ |W|^T) + 2**-24 * (s * sum|W| + sum|x|)``, the
+  second-order terms inside the margins. The rounding shows: ~1e-4 of |y| against ~1e-7
+  for SGEMM.
 - matmul with int8 activations (arithmetic "ggml", ``layout.Q8DOT_TYPES``, up to
   ``MV_MAX_TOKENS`` rows, mmvq.cu): each run of 32 values of x becomes d * q with
   d = max|x| / 127 and q = round(x / d), so ``|x_j - xq_j| <= d / 2`` (we allow
@@ -160,8 +170,11 @@ def test_get_rows_and_matmul_every_type(be, be_exact, qtype, arithmetic):
         y = backend.to_host(backend.matmul(backend.from_host(x), wt))
         ref = x.astype(np.float64) @ W64.T
         int8 = arithmetic == "ggml" and qtype in layout.Q8DOT_TYPES and n <= MV_MAX_TOKENS
+        fp16 = arithmetic == "ggml" and n > MV_MAX_TOKENS
         if int8:
             bound = _int8_bound(x, W64, A)
+        elif fp16:
+            bound = _fp16_bound(x, W64)
         else:
             bound = (k + 32) * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(W64).T)
         err = np.abs(y - ref)
@@ -174,6 +187,39 @@ def test_get_rows_and_matmul_every_type(be, be_exact, qtype, arithmetic):
         if int8:
             # not the float path by accident: int8 rounding shows (exact would be ~1e-7)
             assert rel > 1e-5
+        if fp16:
+            assert rel > 1e-6  # fp16 rounding shows: not SGEMM by accident
+
+
+def _fp16_bound(x: np.ndarray, W64: np.ndarray) -> np.ndarray:
+    """The fp16 GEMM's error bound of the module doc, per output (n, m)."""
+    k = x.shape[1]
+    ax = np.abs(x).astype(np.float64)
+    aw = np.abs(W64)
+    amax = float(ax.max())
+    s = 2.0 ** (int(np.floor(np.log2(amax))) - 14) if amax >= 2.0**15 else 1.0
+    rel = 2.0**-10 + (k + 64) * 2.0**-23
+    return rel * (ax @ aw.T) + 2.0**-24 * (s * aw.sum(axis=1)[None, :] + ax.sum(axis=1)[:, None])
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q8_0], ids=["Q4_K", "Q8_0"])
+def test_prefill_fp16_scales_activations_beyond_its_range(be, qtype):
+    """Prefill rows whose values pass fp16's largest (65504): x is scaled down by a power
+    of two before the fp16 GEMM and the product scaled back, so the outputs are finite and
+    within the fp16 bound; rows of ordinary size in the same batch keep theirs."""
+    rng = np.random.default_rng(77)
+    m, k = 200, 512
+    raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
+    W64 = dequantize(raw, qtype).reshape(m, k).astype(np.float64)
+    wt = be.weight("w", qtype, (k, m), raw)
+    n = MV_MAX_TOKENS + 4
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    x[3] *= 3e5  # max|x| ~ 1e6: s = 2**5
+    y = be.to_host(be.matmul(be.from_host(x), wt))
+    assert np.all(np.isfinite(y))
+    err = np.abs(y - x.astype(np.float64) @ W64.T)
+    bound = _fp16_bound(x, W64)
+    assert np.all(err <= bound), float((err / bound).max())
 
 
 def test_int8_matvec_fusions(be):
@@ -559,6 +605,11 @@ ATT_CASES = [
     (1, 900, 1024, 8, 2, 256, 100, 30.0),  # decode, head_dim 256, window and softcap
     (1, 5, 1024, 16, 2, 128, 0, 0.0),  # decode, groups of 8, fewer keys than splits
     (1, 20, 40, 4, 2, 36, 0, 0.0),  # decode, head_dim the GQA kernel doesn't take
+    # prompt batches of 32 rows or more: tiles of 32 queries x 32 keys (attention_tiles_*)
+    (100, 37, 160, 8, 2, 128, 0, 0.0),  # after a prefix, GQA, a partial last tile
+    (64, 0, 64, 6, 3, 64, 20, 0.0),  # sliding window shorter than a tile
+    (45, 3, 64, 2, 1, 36, 0, 0.0),  # head_dim not a multiple of 8
+    (33, 0, 40, 4, 4, 256, 0, 50.0),  # head_dim 256, softcap, one row in the last tile
 ]
 
 

@@ -26,7 +26,7 @@ import pytest
 from model_factory import TinySpec, write_tiny_model
 
 from picollama.backends.base import BackendError, get_backend
-from picollama.backends.cuda.backend import _TRUST_AFTER
+from picollama.backends.cuda.backend import _TRUST_AFTER, MV_MAX_TOKENS
 from picollama.gguf import GGMLType, GGUFReader
 from picollama.models import load_model
 
@@ -250,13 +250,14 @@ def test_two_sequences_alternating_fall_back_correctly(model_file):
     assert be_g.graph_stats["fallbacks"] >= 1
 
 
-@pytest.mark.parametrize("arithmetic,n_batch", [("exact", 64), ("ggml", 8)])
+@pytest.mark.parametrize("arithmetic,n_batch", [("exact", 64), ("ggml", 64), ("ggml", 8)])
 def test_perplexity_matches_cpu(model_file, arithmetic, n_batch):
-    """Batches of 64 run through the dequantized-tile GEMM (float32, in both arithmetics):
-    within 0.1% of the CPU. Batches of 8 run through the matvec kernels, with int8
-    activations in "ggml": each matmul is then off by ~5e-3 of its outputs (the rounding
-    of test_cuda_backend's bound), which moves the perplexity of these random models by a
-    few 1e-3 (seen: +0.28% llama, +0.005% gemma3): within 1%."""
+    """Batches of 64 run through the dequantized-tile GEMM (float32 with "exact"; fp16
+    inputs with "ggml", ~1e-4 of each matmul's outputs): within 0.1% of the CPU. Batches
+    of 8 run through the matvec kernels, with int8 activations in "ggml": each matmul is
+    then off by ~5e-3 of its outputs (the rounding of test_cuda_backend's bound), which
+    moves the perplexity of these random models by a few 1e-3 (seen: +0.28% llama,
+    +0.005% gemma3): within 1%."""
     from picollama.generation import Context
     from picollama.tools.perplexity import perplexity
 
@@ -271,7 +272,8 @@ def test_perplexity_matches_cpu(model_file, arithmetic, n_batch):
         ctx = Context(model_file, n_ctx=64, n_batch=batch, backend=backend)
         ppl[name] = perplexity(ctx, tokens, n_ctx=64).ppl
         ctx.close()
-    assert abs(ppl["cuda"] / ppl["cpu"] - 1) < (1e-3 if arithmetic == "exact" else 1e-2), ppl
+    print(f"{arithmetic} n_batch {n_batch}: cuda/cpu - 1 = {ppl['cuda'] / ppl['cpu'] - 1:+.2e}")
+    assert abs(ppl["cuda"] / ppl["cpu"] - 1) < (1e-3 if n_batch > MV_MAX_TOKENS else 1e-2), ppl
 
 
 def test_python_api_on_cuda(model_file):

@@ -8,14 +8,15 @@ anything is half-loaded past the tensor that failed.
 
 Compute. ``matmul`` runs a fused matrix-vector kernel for up to ``MV_MAX_TOKENS`` rows of x
 (decode, speculative drafts, small batches); larger batches (prefill) dequantize tiles of
-the weight to float32 and multiply them with cuBLAS SGEMM. ``arithmetic`` picks the
-matrix-vector arithmetic, as the CPU backend's option of that name does:
+the weight and multiply them with cuBLAS (``_gemm``: fp16 on the tensor cores with float32
+sums, or float32 throughout with "exact"). ``arithmetic`` picks the arithmetic, as the CPU
+backend's option of that name does:
 - "ggml" (default): as llama.cpp's CUDA backend computes it. For Q4_0, Q5_0, Q8_0, Q4_K
   and Q6_K (``layout.Q8DOT_TYPES``) x is quantized to int8 per run of 32 values inside the
   kernel and multiplied with the weight codes by dp4a (``mmvq.cu``); other types take the
-  float kernel.
+  float kernel. Prefill: fp16 tiles times x in fp16 on the tensor cores.
 - "exact": every type through the float kernel (``quant.cu``): exactly dequantized weights
-  times float32 x, as the CPU backend's "exact" arithmetic.
+  times float32 x, as the CPU backend's "exact" arithmetic; prefill through SGEMM.
 Attention is flash-attention style (``ops.cu``): no score matrix, an online softmax over
 tiles of 32 keys. One token with head_dim 64, 128 or 256 and groups of at most 8 query heads
 per KV head takes ``attention_gqa_*``: a block per (KV head, split) does the whole group, so
@@ -70,7 +71,7 @@ from picollama.backends.base import Backend, BackendError, KVCache, Weight
 from picollama.backends.cuda import layout
 from picollama.gguf.constants import GGMLType
 
-__all__ = ["CUDABackend", "MV_MAX_TOKENS", "WORKSPACE_FLOATS", "ARITHMETICS"]
+__all__ = ["CUDABackend", "MV_MAX_TOKENS", "WORKSPACE_BYTES", "ARITHMETICS"]
 
 log = logging.getLogger("picollama.cuda")
 
@@ -81,17 +82,26 @@ _CP_BLOCKS = 1  # blocks per SM of a matvec_q8_n1_cp launch: the next launch's f
 _MVQ_ROPE_PAIRS = 128  # matvec_q8_n1_rope: rotated pairs per head at most (mmvq.cu, s_cs)
 _MV_PAD = 36  # floats of shared memory per chunk of 32 values of x (quant.cu)
 _MV_SMEM_LIMIT = 200 << 10  # bytes of x in shared memory; more rows go through cuBLAS
-WORKSPACE_FLOATS = 1 << 26  # 256 MiB of float32 for the prefill tiles of dequantized weight
+WORKSPACE_BYTES = 256 << 20  # the prefill tiles of dequantized weight (float32 or fp16)
 _ATT_MAXD = 256  # head_dim limit of the attention kernel (ops.cu)
 _ATT_SPLIT = 512  # decode: keys per attention block before the range is split further
 _ATT_MAX_SPLITS = 64
 _ATT_MIN_KEYS = 32  # decode, GQA kernel: cache positions per split at least
 _ATT_SPLIT_KEYS = 4  # decode, GQA kernel: keys per split at least (one per warp)
+_ATT_TILES_MIN = 32  # prompt batches of at least this many rows: attention_tiles_* (ops.cu)
+_ATT_TILE = 32  # queries and keys per tile of attention_tiles_* (FA_BQ, FA_BK)
 _MEM_MARGIN = 64 << 20  # bytes kept free for cuBLAS, the CUDA context and small buffers
 _EW_THREADS = 256  # threads per block of the elementwise kernels
 _MAX_GRAPH_MISSES = 4  # divergent replays before graphs are turned off
 _TRUST_AFTER = 2  # clean op-by-op replays of a (model, cache) step before whole-step replay
 ARITHMETICS = ("ggml", "exact")
+
+# cuBLAS's enum values (cublas_api.h, library_types.h), for cublasGemmEx
+_OP_N, _OP_T = 0, 1
+_R_32F, _R_16F = 0, 2
+_COMPUTE_32F = 68
+_GEMM_DEFAULT = -1
+_POINTER_MODE_HOST, _POINTER_MODE_DEVICE = 0, 1
 
 # modes of the backend while a forward pass runs
 _EAGER, _RECORD, _REPLAY = 0, 1, 2
@@ -128,14 +138,15 @@ class _Kernels:
     """The kernels of one weight type (matvec_q8* only for ``layout.Q8DOT_TYPES``)."""
 
     __slots__ = (
-        "matvec", "dequant", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
+        "matvec", "dequant", "dequant_h", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
         "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_cp",
         "matvec_q8_rope_cp", "cp_geom",
     )  # fmt: skip
 
-    def __init__(self, matvec, dequant, get_rows):
+    def __init__(self, matvec, dequant, dequant_h, get_rows):
         self.matvec = matvec
         self.dequant = dequant
+        self.dequant_h = dequant_h
         self.get_rows = get_rows
         self.matvec_q8 = self.matvec_q8_n1 = self.matvec_q8_wide = self.matvec_q8_rope = None
         self.matvec_q8_small = None  # matvec_q8_n1 in smaller blocks (mmvq.cu), if built
@@ -398,6 +409,9 @@ class CUDABackend(Backend):
         self.arithmetic = arithmetic
         cp = _import_cupy()
         self.cp = cp
+        from cupy_backends.cuda.libs import cublas
+
+        self._cublas = cublas
         try:
             n_devices = cp.cuda.runtime.getDeviceCount()
         except cp.cuda.runtime.CUDARuntimeError as err:
@@ -427,6 +441,11 @@ class CUDABackend(Backend):
                 self._k_att = self._ops.get_function("attention")
                 self._k_att_dec = self._ops.get_function("attention_decode")
                 self._k_comb = self._ops.get_function("attn_combine")
+                self._k_att_tiles = {
+                    dv: self._ops.get_function(f"attention_tiles_{dv}") for dv in (16, 32)
+                }
+                for kernel in self._k_att_tiles.values():
+                    kernel.max_dynamic_shared_size_bytes = self._smem_optin - 1024
                 self._k_att_gqa = {
                     (dpl, gb): self._ops.get_function(f"attention_gqa_{dpl}_{gb}")
                     for dpl in (2, 4, 8)
@@ -439,6 +458,11 @@ class CUDABackend(Backend):
                 self._k_gelu = self._ops.get_function("gelu_mul")
                 self._k_softcap = self._ops.get_function("softcap")
                 self._k_gather = self._ops.get_function("gather_rows")
+                self._k_absmax = self._ops.get_function("absmax")
+                self._k_to_half = self._ops.get_function("to_half_scaled")
+                # cuBLAS's alpha and beta for the float32 GEMM, read from the device (the
+                # fp16 GEMM's come from to_half_scaled)
+                self._gemm_scal = cp.asarray(np.array([1.0, 0.0], dtype=np.float32))
                 # a decode step's token id and position (params[0] = position, [1] = id)
                 self._params_dev = cp.zeros(2, dtype=cp.int32)
         except cp.cuda.compiler.CompileException as err:
@@ -515,6 +539,7 @@ class CUDABackend(Backend):
                     kernels = _Kernels(
                         mod.get_function("matvec"),
                         mod.get_function("dequant"),
+                        mod.get_function("dequant_h"),
                         mod.get_function("get_rows"),
                     )
                     if qtype in layout.Q8DOT_TYPES:
@@ -1339,7 +1364,7 @@ class CUDABackend(Backend):
                     return y
             if self._mode == _RECORD:
                 self._abort_record()
-            self._gemm(x2, dw, kernels.dequant, y)
+            self._gemm(x2, dw, kernels, y)
         return y
 
     def _run_matvec(self, mv: _Matvec, pdl: _DependentLauncher | None = None) -> None:
@@ -1466,26 +1491,60 @@ class CUDABackend(Backend):
         smem = (_q8_smem(1, mv.k) + 15) // 16 * 16 + geom.warps * geom.stages * geom.stage_bytes
         return smem if smem <= self._mv_smem_limit() else 0
 
-    def _gemm(self, x, dw: _DeviceWeight, dequant, y) -> None:
-        """y = x @ W.T through float32 tiles of W and cuBLAS (prefill)."""
+    def _gemm(self, x, dw: _DeviceWeight, kernels: _Kernels, y) -> None:
+        """y = x @ W.T for a batch of rows (prefill): W dequantized into the workspace tile
+        by tile, each tile times x by cuBLAS (cublasGemmEx), written into its columns of y.
+
+        Arithmetic "exact": float32 tiles and x, float32 products and sums (SGEMM). "ggml":
+        the tensor cores, fp16 tiles and x with float32 sums, as llama.cpp's cuBLAS path
+        multiplies in fp16 (its own prompt kernels use int8 x): each weight and each value
+        of x is rounded to 11 significant bits. x is divided by a power of two s first, so
+        that none of it overflows fp16 (s = 1 unless max|x| >= 2^15), and the product is
+        multiplied by s (cuBLAS's alpha, set on the device by ``to_half_scaled``).
+        """
         cp = self.cp
         k, m = dw.k, dw.m
-        tile_rows = max(1, min(m, WORKSPACE_FLOATS // k))
-        need = tile_rows * k
-        if self._workspace is None or self._workspace.size < need:
+        n = x.shape[0]
+        half = self.arithmetic == "ggml"
+        size = 2 if half else 4
+        tile_rows = max(1, min(m, WORKSPACE_BYTES // (size * k)))
+        need = tile_rows * k * size
+        if self._workspace is None or self._workspace.nbytes < need:
             self._workspace = None
-            self._reserve(need * 4, "the prefill workspace")
-            self._workspace = cp.empty(need, dtype=cp.float32)
+            self._reserve(need, "the prefill workspace")
+            self._workspace = cp.empty(need, dtype=cp.uint8)
+        if half:
+            xh = cp.empty(n * k, dtype=cp.uint16)
+            amax = cp.zeros(1, dtype=cp.uint32)  # max|x|, as the bits of a float
+            ab = cp.empty(2, dtype=cp.float32)  # alpha and beta
+            blocks = min(-(-(n * k) // _EW_THREADS), 4 * self._n_sm)
+            self._launch(self._k_absmax, (blocks,), (_EW_THREADS,), (x, np.int64(n * k), amax))
+            args = (x, np.int64(n * k), amax, xh, ab)
+            self._launch(self._k_to_half, self._grid1(n * k), (_EW_THREADS,), args)
+            dequant, xin, in_type = kernels.dequant_h, xh, _R_16F
+        else:
+            ab = self._gemm_scal
+            dequant, xin, in_type = kernels.dequant, x, _R_32F
+        cublas = self._cublas
+        handle = cp.cuda.device.get_cublas_handle()
         cpr = k // 32
-        for r0 in range(0, m, tile_rows):
-            nr = min(tile_rows, m - r0)
-            wt = self._workspace[: nr * k].reshape(nr, k)
-            args = (dw.buf, np.int64(dw.n_blocks), np.int32(k), np.int32(r0), np.int32(nr), wt)
-            self._launch(dequant, self._grid1(nr * cpr), (_EW_THREADS,), args)
-            if nr == m:
-                cp.matmul(x, wt.T, out=y)
-            else:
-                y[:, r0 : r0 + nr] = cp.matmul(x, wt.T)
+        cublas.setPointerMode(handle, _POINTER_MODE_DEVICE)
+        try:
+            for r0 in range(0, m, tile_rows):
+                nr = min(tile_rows, m - r0)
+                wt = self._workspace
+                args = (dw.buf, np.int64(dw.n_blocks), np.int32(k), np.int32(r0), np.int32(nr), wt)
+                self._launch(dequant, self._grid1(nr * cpr), (_EW_THREADS,), args)
+                # column-major terms: y.T[r0:r0 + nr, :] = tile (k x nr, transposed) @ x.T
+                cublas.gemmEx(
+                    handle, _OP_T, _OP_N, nr, n, k,
+                    ab.data.ptr, wt.data.ptr, in_type, k, xin.data.ptr, in_type, k,
+                    ab.data.ptr + 4, y.data.ptr + 4 * r0, _R_32F, m,
+                    _COMPUTE_32F, _GEMM_DEFAULT,
+                )  # fmt: skip
+                self._n_launches += 1
+        finally:
+            cublas.setPointerMode(handle, _POINTER_MODE_HOST)
 
     def get_rows(self, w: Weight, ids: np.ndarray):
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -1646,6 +1705,25 @@ class CUDABackend(Backend):
             raise BackendError(f"attention: positions up to {start + n} past n_ctx {cache.n_ctx}")
         if n == 1 and self._gqa_kernel(n_heads, cache) is not None:
             return self._attention_gqa(q, cache, layer, start, scale, window, softcap)
+        smem = 4 * (2 * _ATT_TILE * (hd + 1) + _ATT_TILE * hdv + _ATT_TILE * (_ATT_TILE + 1))
+        if (
+            n >= _ATT_TILES_MIN
+            and hd % 2 == 0
+            and hdv % 2 == 0
+            and hdv <= _ATT_MAXD
+            and smem <= self._smem_optin - 1024
+        ):
+            with self._stream:
+                out = self._empty((n, n_heads * hdv))
+                args = (
+                    q, cache.k[layer], cache.v[layer], self._dev_start(start), np.int32(n),
+                    np.int32(n_heads), np.int32(cache.n_kv_heads), np.int32(hd), np.int32(hdv),
+                    np.float32(scale), np.int32(window), np.float32(softcap), out,
+                )  # fmt: skip
+                kernel = self._k_att_tiles[16 if hdv <= 128 else 32]
+                grid = (n_heads, -(-n // _ATT_TILE))
+                self._launch(kernel, grid, (128,), args, shared_mem=smem)
+            return out
         if n == 1:
             n_splits = min(_ATT_MAX_SPLITS, max(1, math.ceil(cache.n_ctx / _ATT_SPLIT)))
         else:

@@ -335,6 +335,162 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_decode(AT
     attention_body<true>(ATT_ARGS);
 }
 
+// Prompt batches: tiles of queries against tiles of keys in shared memory. Block (h, tile)
+// takes the queries t0 .. t0 + 31 of head h; each tile of 32 keys (and their values) is
+// converted to float32 into shared memory once and used by all 32 queries, where
+// attention_body reads every key once per query. Thread (rg = tid / 8, cg = tid % 8) holds
+// the scores of rows rg and rg + 16 at keys cg + 8 i (i < 4) and the outputs of those rows
+// at dims cg + 8 i (i < DV); a row's 8 threads are consecutive lanes of one warp, so its
+// online-softmax state (kept by each of them alike) needs only shuffles. No score matrix
+// beyond the 32 x 32 tile. Rows are padded to odd lengths (hd + 1, 33) so that the threads
+// reading one column of a tile hit distinct banks. hd and hdv even (u32 loads of the fp16
+// cache), at most 8 * DV.
+#define FA_BQ 32
+#define FA_BK 32
+#define FA_THREADS 128
+
+template <int DV>
+__device__ __forceinline__ void attention_tiles_body(
+    const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
+    const int* __restrict__ start_ptr, int n, int n_heads, int n_kv_heads, int hd, int hdv,
+    float scale, int window, float softcap, float* __restrict__ out) {
+    extern __shared__ float fa_smem[];
+    const int qs = hd + 1, ps = FA_BK + 1;
+    float* Qs = fa_smem;           // [FA_BQ][hd + 1]
+    float* Ks = Qs + FA_BQ * qs;   // [FA_BK][hd + 1]
+    float* Vs = Ks + FA_BK * qs;   // [FA_BK][hdv]
+    float* Ps = Vs + FA_BK * hdv;  // [FA_BQ][FA_BK + 1]
+    const int h = blockIdx.x;
+    const int t0 = (gridDim.y - 1 - blockIdx.y) * FA_BQ;  // the longest key ranges first
+    const int tid = threadIdx.x, rg = tid >> 3, cg = tid & 7;
+    const int start = *start_ptr;
+    const int kvh = h / (n_heads / n_kv_heads);
+    const i64 kstride = (i64)n_kv_heads * hd, vstride = (i64)n_kv_heads * hdv;
+    const int nq = min(FA_BQ, n - t0);
+    for (int idx = tid; idx < FA_BQ * hd; idx += FA_THREADS) {
+        int r = idx / hd, d = idx - r * hd;
+        Qs[r * qs + d] = r < nq ? q[((i64)(t0 + r) * n_heads + h) * hd + d] : 0.f;
+    }
+    // keys from the first query's window start to the last query's position
+    const int first = start + t0, last = start + t0 + nq - 1;
+    const int lo = (window > 0 && first - window + 1 > 0) ? first - window + 1 : 0;
+    const int hi = last + 1;
+    int rpos[2], rlo[2];
+    float m[2], l[2], acc[2][DV];
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+        rpos[a] = first + rg + 16 * a;
+        rlo[a] = (window > 0 && rpos[a] - window + 1 > 0) ? rpos[a] - window + 1 : 0;
+        m[a] = NEG_INF;
+        l[a] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DV; i++) acc[a][i] = 0.f;
+    }
+    const int hd2 = hd >> 1, hdv2 = hdv >> 1;
+    for (int j0 = lo; j0 < hi; j0 += FA_BK) {
+        const int nk = min(FA_BK, hi - j0);
+        __syncthreads();  // Q is written; the last tile's K, V and P are used up
+        for (int idx = tid; idx < FA_BK * hd2; idx += FA_THREADS) {
+            int c = idx / hd2, d = 2 * (idx - c * hd2);
+            u32 w = c < nk ? *(const u32*)(kc + (i64)(j0 + c) * kstride + (i64)kvh * hd + d) : 0u;
+            Ks[c * qs + d] = h2f((u16)(w & 0xFFFFu));
+            Ks[c * qs + d + 1] = h2f((u16)(w >> 16));
+        }
+        for (int idx = tid; idx < FA_BK * hdv2; idx += FA_THREADS) {
+            int c = idx / hdv2, d = 2 * (idx - c * hdv2);
+            u32 w = c < nk ? *(const u32*)(vc + (i64)(j0 + c) * vstride + (i64)kvh * hdv + d) : 0u;
+            Vs[c * hdv + d] = h2f((u16)(w & 0xFFFFu));
+            Vs[c * hdv + d + 1] = h2f((u16)(w >> 16));
+        }
+        __syncthreads();
+        float sc[2][4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) sc[0][i] = sc[1][i] = 0.f;
+        const float* q0 = Qs + rg * qs;
+        const float* q1 = Qs + (rg + 16) * qs;
+#pragma unroll 4
+        for (int d = 0; d < hd; d++) {
+            float a0 = q0[d], a1 = q1[d];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float kv = Ks[(cg + 8 * i) * qs + d];
+                sc[0][i] = fmaf(a0, kv, sc[0][i]);
+                sc[1][i] = fmaf(a1, kv, sc[1][i]);
+            }
+        }
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int c = cg + 8 * i, j = j0 + c;
+                float v = sc[a][i] * scale;
+                if (softcap > 0.f) v = (float)((double)softcap * tanh((double)(v / softcap)));
+                v = (c < nk && j <= rpos[a] && j >= rlo[a]) ? v : NEG_INF;
+                sc[a][i] = v;
+                mx = fmaxf(mx, v);
+            }
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float m_new = fmaxf(m[a], mx);
+            const float corr = m_new == NEG_INF ? 1.f : expf(m[a] - m_new);
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float p = sc[a][i] == NEG_INF ? 0.f : expf(sc[a][i] - m_new);
+                Ps[(rg + 16 * a) * ps + cg + 8 * i] = p;
+                sum += p;
+            }
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            l[a] = l[a] * corr + sum;
+            m[a] = m_new;
+#pragma unroll
+            for (int i = 0; i < DV; i++) acc[a][i] *= corr;
+        }
+        __syncwarp();  // a row's P is written by the lanes of the warp that reads it
+        const float* p0 = Ps + rg * ps;
+        const float* p1 = Ps + (rg + 16) * ps;
+        for (int c = 0; c < nk; c++) {
+            const float w0 = p0[c], w1 = p1[c];
+            const float* vr = Vs + c * hdv + cg;
+#pragma unroll
+            for (int i = 0; i < DV; i++) {
+                if (cg + 8 * i < hdv) {
+                    float v = vr[8 * i];
+                    acc[0][i] = fmaf(w0, v, acc[0][i]);
+                    acc[1][i] = fmaf(w1, v, acc[1][i]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+        int r = rg + 16 * a;
+        if (r < nq) {
+            float* o = out + ((i64)(t0 + r) * n_heads + h) * hdv;
+#pragma unroll
+            for (int i = 0; i < DV; i++)
+                if (cg + 8 * i < hdv) o[cg + 8 * i] = acc[a][i] / l[a];
+        }
+    }
+}
+
+#define FA_PARAMS                                                                          \
+    const float *__restrict__ q, const u16 *__restrict__ kc, const u16 *__restrict__ vc,     \
+        const int *__restrict__ start_ptr, int n, int n_heads, int n_kv_heads, int hd,      \
+        int hdv, float scale, int window, float softcap, float *__restrict__ out
+#define FA_ARGS q, kc, vc, start_ptr, n, n_heads, n_kv_heads, hd, hdv, scale, window, softcap, out
+
+// head dims up to 128 and up to 256
+extern "C" __global__ void __launch_bounds__(FA_THREADS) attention_tiles_16(FA_PARAMS) {
+    attention_tiles_body<16>(FA_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) attention_tiles_32(FA_PARAMS) {
+    attention_tiles_body<32>(FA_ARGS);
+}
+
 // Merge the splits' (max, sum, unnormalized output) of each (token, head) into out.
 extern "C" __global__ void attn_combine(const float* __restrict__ part, float* __restrict__ out,
                                         int n_heads, int hdv, int n_splits) {
@@ -714,5 +870,35 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* _
     if (idx < (i64)n * d) {
         int i = (int)(idx / d), j = (int)(idx % d);
         out[idx] = x[(i64)rows[i] * d + j];
+    }
+}
+
+// ---------------------------------------------------------------------------- fp16 GEMM input
+
+// *amax = max |x| over n values, as the bits of a non-negative float (the caller zeroes it;
+// non-negative floats order as their bits, so an integer atomicMax takes the float maximum).
+extern "C" __global__ void absmax(const float* __restrict__ x, i64 n, u32* __restrict__ amax) {
+    float m = 0.f;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        m = fmaxf(m, fabsf(x[i]));
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) atomicMax(amax, __float_as_uint(m));
+}
+
+// xh = x / s in fp16, s = 2^e the smallest power of two with max|x| / s < 2^15 (s = 1 below
+// 2^15), so that no value overflows fp16's 65504; dividing by a power of two is exact. Then
+// ab = {s, 0}: cuBLAS's alpha and beta, read from the device, so the product of the scaled
+// values is scaled back without the host knowing s.
+extern "C" __global__ void to_half_scaled(const float* __restrict__ x, i64 n,
+                                          const u32* __restrict__ amax, u16* __restrict__ xh,
+                                          float* __restrict__ ab) {
+    int e = (int)((*amax >> 23) & 0xFFu) - 127;  // floor(log2 max|x|); 128 for inf or NaN
+    int s = e >= 15 ? e - 14 : 0;                // max|x| < 2^(e + 1) = 2^(s + 15)
+    float inv = __uint_as_float((u32)(127 - s) << 23);
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) xh[i] = f2h(__fmul_rn(x[i], inv));
+    if (i == 0) {
+        ab[0] = __uint_as_float((u32)(127 + s) << 23);
+        ab[1] = 0.f;
     }
 }

@@ -566,6 +566,26 @@ extern "C" __global__ void dequant(const u8* __restrict__ base, i64 nb_total, in
     for (int i = 0; i < 8; i++) op[i] = make_float4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
 }
 
+// The same tiles in fp16 (prefill with arithmetic "ggml": cuBLAS on the tensor cores). Each
+// float32 weight of deq32 is rounded to the nearest fp16, 8 to a 16-byte store.
+extern "C" __global__ void dequant_h(const u8* __restrict__ base, i64 nb_total, int k, int row0,
+                                     int nrows, u16* __restrict__ out) {
+    Fields f = make_fields(base, nb_total);
+    int cpr = k / 32, bpr = k / Q::BLOCK;
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)nrows * cpr) return;
+    int r = (int)(idx / cpr), ch = (int)(idx % cpr);
+    float w[32];
+    deq32(f, (i64)(row0 + r) * bpr + ch / NCHUNK, ch % NCHUNK, w);
+    uint4* op = (uint4*)(out + (i64)r * k + 32 * ch);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float* v = w + 8 * i;
+        op[i] = make_uint4(f2h(v[0]) | ((u32)f2h(v[1]) << 16), f2h(v[2]) | ((u32)f2h(v[3]) << 16),
+                           f2h(v[4]) | ((u32)f2h(v[5]) << 16), f2h(v[6]) | ((u32)f2h(v[7]) << 16));
+    }
+}
+
 // out[i, :] = dequantized row ids[i] (an embedding lookup); ids are checked on the host and
 // clamped here so that a bad id can never read outside the weight.
 extern "C" __global__ void get_rows(const u8* __restrict__ base, i64 nb_total, int k, int m,
