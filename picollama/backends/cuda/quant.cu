@@ -551,17 +551,28 @@ matvec(const u8* __restrict__ base, i64 nb_total, int k, int m, const float* __r
     }
 }
 
-// out[r, :] = dequantized row row0 + r, for r < nrows (prefill: tiles for cuBLAS).
-extern "C" __global__ void dequant(const u8* __restrict__ base, i64 nb_total, int k, int row0,
-                                   int nrows, float* __restrict__ out) {
+// Prefill tiles for cuBLAS: the chunk of 32 weights that this thread dequantizes in the
+// tile of rows row0 .. row0 + nrows - 1, and where it starts in the tile (*at); false for a
+// thread past the tile's end.
+__device__ __forceinline__ bool tile_chunk(const u8* __restrict__ base, i64 nb_total, int k,
+                                           int row0, int nrows, float* w, i64* at) {
     Fields f = make_fields(base, nb_total);
     int cpr = k / 32, bpr = k / Q::BLOCK;
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (i64)nrows * cpr) return;
+    if (idx >= (i64)nrows * cpr) return false;
     int r = (int)(idx / cpr), ch = (int)(idx % cpr);
-    float w[32];
     deq32(f, (i64)(row0 + r) * bpr + ch / NCHUNK, ch % NCHUNK, w);
-    float4* op = (float4*)(out + (i64)r * k + 32 * ch);
+    *at = (i64)r * k + 32 * ch;
+    return true;
+}
+
+// out[r, :] = dequantized row row0 + r, for r < nrows, in float32.
+extern "C" __global__ void dequant(const u8* __restrict__ base, i64 nb_total, int k, int row0,
+                                   int nrows, float* __restrict__ out) {
+    float w[32];
+    i64 at;
+    if (!tile_chunk(base, nb_total, k, row0, nrows, w, &at)) return;
+    float4* op = (float4*)(out + at);
 #pragma unroll
     for (int i = 0; i < 8; i++) op[i] = make_float4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
 }
@@ -570,14 +581,10 @@ extern "C" __global__ void dequant(const u8* __restrict__ base, i64 nb_total, in
 // float32 weight of deq32 is rounded to the nearest fp16, 8 to a 16-byte store.
 extern "C" __global__ void dequant_h(const u8* __restrict__ base, i64 nb_total, int k, int row0,
                                      int nrows, u16* __restrict__ out) {
-    Fields f = make_fields(base, nb_total);
-    int cpr = k / 32, bpr = k / Q::BLOCK;
-    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (i64)nrows * cpr) return;
-    int r = (int)(idx / cpr), ch = (int)(idx % cpr);
     float w[32];
-    deq32(f, (i64)(row0 + r) * bpr + ch / NCHUNK, ch % NCHUNK, w);
-    uint4* op = (uint4*)(out + (i64)r * k + 32 * ch);
+    i64 at;
+    if (!tile_chunk(base, nb_total, k, row0, nrows, w, &at)) return;
+    uint4* op = (uint4*)(out + at);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const float* v = w + 8 * i;
