@@ -118,6 +118,11 @@ def _import_cupy():
     return cupy
 
 
+def _check_features(k: int, w: Weight) -> None:
+    if k != w.data.k:
+        raise BackendError(f"matmul: x has {k} features but '{w.name}' takes {w.data.k}")
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -1348,8 +1353,7 @@ class CUDABackend(Backend):
         dw: _DeviceWeight = w.data
         x2 = self._contig(x.reshape(-1, x.shape[-1]))
         n, k = x2.shape
-        if k != dw.k:
-            raise BackendError(f"matmul: x has {k} features but '{w.name}' takes {dw.k}")
+        _check_features(k, w)
         kernels = self._quant_kernels(dw.qtype)
         with self._stream:
             y = self._empty((n, dw.m))
@@ -1364,8 +1368,25 @@ class CUDABackend(Backend):
                     return y
             if self._mode == _RECORD:
                 self._abort_record()
-            self._gemm(x2, dw, kernels, y)
+            self._gemm(self._gemm_input(x2), dw, kernels, y)
         return y
+
+    def matmul_many(self, x, ws):
+        """A prompt batch's projections of one x (Q, K, V; gate, up) convert x for cuBLAS
+        once; anything else as ``matmul`` one by one."""
+        n = math.prod(x.shape[:-1])
+        if self._mode != _EAGER or n <= MV_MAX_TOKENS or len(ws) < 2:
+            return super().matmul_many(x, ws)
+        x2 = self._contig(x.reshape(n, x.shape[-1]))
+        for w in ws:
+            _check_features(x2.shape[1], w)
+        with self._stream:
+            xin = self._gemm_input(x2)
+            ys = []
+            for w in ws:
+                ys.append(self._empty((n, w.data.m)))
+                self._gemm(xin, w.data, self._quant_kernels(w.data.qtype), ys[-1])
+        return ys
 
     def _run_matvec(self, mv: _Matvec, pdl: _DependentLauncher | None = None) -> None:
         """Launch ``mv`` (on the backend's stream) with a grid of one wave of blocks: each
@@ -1491,40 +1512,45 @@ class CUDABackend(Backend):
         smem = (_q8_smem(1, mv.k) + 15) // 16 * 16 + geom.warps * geom.stages * geom.stage_bytes
         return smem if smem <= self._mv_smem_limit() else 0
 
-    def _gemm(self, x, dw: _DeviceWeight, kernels: _Kernels, y) -> None:
-        """y = x @ W.T for a batch of rows (prefill): W dequantized into the workspace tile
-        by tile, each tile times x by cuBLAS (cublasGemmEx), written into its columns of y.
+    def _gemm_input(self, x) -> tuple:
+        """x as ``_gemm`` takes it: (rows, the device array cuBLAS reads, its cuBLAS type,
+        cuBLAS's alpha and beta on the device).
 
-        Arithmetic "exact": float32 tiles and x, float32 products and sums (SGEMM). "ggml":
-        the tensor cores, fp16 tiles and x with float32 sums, as llama.cpp's cuBLAS path
-        multiplies in fp16 (its own prompt kernels use int8 x): each weight and each value
-        of x is rounded to 11 significant bits. x is divided by a power of two s first, so
-        that none of it overflows fp16 (s = 1 unless max|x| >= 2^15), and the product is
-        multiplied by s (cuBLAS's alpha, set on the device by ``to_half_scaled``).
+        Arithmetic "exact": x itself, float32 (SGEMM), alpha 1. "ggml": x in fp16 for the
+        tensor cores, as llama.cpp's cuBLAS path multiplies in fp16 (its own prompt kernels
+        use int8 x), so each value is rounded to 11 significant bits. x is divided by a power
+        of two s first, so that none of it overflows fp16 (s = 1 unless max|x| >= 2^15), and
+        alpha = s (set on the device by ``to_half_scaled``) multiplies the product back.
         """
+        n, k = x.shape
+        if self.arithmetic == "exact":
+            return n, x, _R_32F, self._gemm_scal
         cp = self.cp
+        xh = cp.empty(n * k, dtype=cp.uint16)
+        amax = cp.zeros(1, dtype=cp.uint32)  # max|x|, as the bits of a float
+        ab = cp.empty(2, dtype=cp.float32)
+        blocks = min(-(-(n * k) // _EW_THREADS), 4 * self._n_sm)
+        self._launch(self._k_absmax, (blocks,), (_EW_THREADS,), (x, np.int64(n * k), amax))
+        args = (x, np.int64(n * k), amax, xh, ab)
+        self._launch(self._k_to_half, self._grid1(n * k), (_EW_THREADS,), args)
+        return n, xh, _R_16F, ab
+
+    def _gemm(self, xin: tuple, dw: _DeviceWeight, kernels: _Kernels, y) -> None:
+        """y = x @ W.T for a batch of rows (prefill), x from ``_gemm_input``: W dequantized
+        into the workspace tile by tile (float32 or fp16, as x), each tile times x by cuBLAS
+        (cublasGemmEx, float32 sums), written into its columns of y."""
+        cp = self.cp
+        n, xdev, in_type, ab = xin
         k, m = dw.k, dw.m
-        n = x.shape[0]
-        half = self.arithmetic == "ggml"
-        size = 2 if half else 4
+        size = 4 if in_type == _R_32F else 2
+        dequant = kernels.dequant if in_type == _R_32F else kernels.dequant_h
         tile_rows = max(1, min(m, WORKSPACE_BYTES // (size * k)))
         need = tile_rows * k * size
         if self._workspace is None or self._workspace.nbytes < need:
             self._workspace = None
             self._reserve(need, "the prefill workspace")
             self._workspace = cp.empty(need, dtype=cp.uint8)
-        if half:
-            xh = cp.empty(n * k, dtype=cp.uint16)
-            amax = cp.zeros(1, dtype=cp.uint32)  # max|x|, as the bits of a float
-            ab = cp.empty(2, dtype=cp.float32)  # alpha and beta
-            blocks = min(-(-(n * k) // _EW_THREADS), 4 * self._n_sm)
-            self._launch(self._k_absmax, (blocks,), (_EW_THREADS,), (x, np.int64(n * k), amax))
-            args = (x, np.int64(n * k), amax, xh, ab)
-            self._launch(self._k_to_half, self._grid1(n * k), (_EW_THREADS,), args)
-            dequant, xin, in_type = kernels.dequant_h, xh, _R_16F
-        else:
-            ab = self._gemm_scal
-            dequant, xin, in_type = kernels.dequant, x, _R_32F
+        wt = self._workspace
         cublas = self._cublas
         handle = cp.cuda.device.get_cublas_handle()
         cpr = k // 32
@@ -1532,13 +1558,12 @@ class CUDABackend(Backend):
         try:
             for r0 in range(0, m, tile_rows):
                 nr = min(tile_rows, m - r0)
-                wt = self._workspace
                 args = (dw.buf, np.int64(dw.n_blocks), np.int32(k), np.int32(r0), np.int32(nr), wt)
                 self._launch(dequant, self._grid1(nr * cpr), (_EW_THREADS,), args)
                 # column-major terms: y.T[r0:r0 + nr, :] = tile (k x nr, transposed) @ x.T
                 cublas.gemmEx(
                     handle, _OP_T, _OP_N, nr, n, k,
-                    ab.data.ptr, wt.data.ptr, in_type, k, xin.data.ptr, in_type, k,
+                    ab.data.ptr, wt.data.ptr, in_type, k, xdev.data.ptr, in_type, k,
                     ab.data.ptr + 4, y.data.ptr + 4 * r0, _R_32F, m,
                     _COMPUTE_32F, _GEMM_DEFAULT,
                 )  # fmt: skip

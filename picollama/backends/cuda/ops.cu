@@ -155,6 +155,12 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
 
 // ------------------------------------------------------------------------------ attention
 
+// The first key position a query at pos attends to: 0, or pos - window + 1 with a sliding
+// window of that many positions.
+__device__ __forceinline__ int window_lo(int pos, int window) {
+    return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+}
+
 #define ATT_WARPS 4
 #define ATT_MAXD 256  // head_dim and head_dim_v at most this
 #define ATT_DPL (ATT_MAXD / 32)
@@ -180,7 +186,7 @@ __device__ __forceinline__ void attention_body(
     int h = blockIdx.x, t = blockIdx.y, split = blockIdx.z, n_splits = gridDim.z;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int pos = *start_ptr + t;
-    int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    int lo = window_lo(pos, window);
     int hi = pos + 1;  // causal: keys at positions <= pos
     int s0 = lo + split * chunk;
     int s1 = min(hi, s0 + chunk);
@@ -373,14 +379,14 @@ __device__ __forceinline__ void attention_tiles_body(
     }
     // keys from the first query's window start to the last query's position
     const int first = start + t0, last = start + t0 + nq - 1;
-    const int lo = (window > 0 && first - window + 1 > 0) ? first - window + 1 : 0;
+    const int lo = window_lo(first, window);
     const int hi = last + 1;
     int rpos[2], rlo[2];
     float m[2], l[2], acc[2][DV];
 #pragma unroll
     for (int a = 0; a < 2; a++) {
         rpos[a] = first + rg + 16 * a;
-        rlo[a] = (window > 0 && rpos[a] - window + 1 > 0) ? rpos[a] - window + 1 : 0;
+        rlo[a] = window_lo(rpos[a], window);
         m[a] = NEG_INF;
         l[a] = 0.f;
 #pragma unroll
@@ -639,7 +645,7 @@ __device__ __forceinline__ void attention_gqa_body(
     // the position was copied to the device before the graph's first kernel: it may be read
     // before the wait, and so may every cache row before it (written by earlier steps)
     const int pos = *start_ptr;
-    const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    const int lo = window_lo(pos, window);
     const int len = pos + 1 - lo;
     // only as many splits as the range needs (min_keys each): short ranges skip the merge
     const int n_splits = max(1, min((int)gridDim.y, len / min_keys));
