@@ -250,6 +250,125 @@ def test_two_sequences_alternating_fall_back_correctly(model_file):
     assert be_g.graph_stats["fallbacks"] >= 1
 
 
+PROMPTS = [PROMPT, PROMPT[:5], PROMPT[3:12], PROMPT[:2]]
+
+
+def _batched_decode(backend, path, n_ctxs, steps=24, prompts=PROMPTS):
+    """Greedy steps of several sequences, one token of each per forward pass (the server's
+    batches); the logits of every step, (steps, sequences, n_vocab), and the tokens fed."""
+    from picollama.models.base import Segment
+
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        caches = [model.new_cache(n) for n in n_ctxs]
+        pairs = zip(prompts, caches, strict=True)
+        logits = [model.forward(np.array(p), 0, c)[-1] for p, c in pairs]
+        pos = [len(p) for p in prompts]
+        out, fed = [], []
+        for _ in range(steps):
+            tokens = [int(np.argmax(row)) for row in logits]
+            segs = [
+                Segment(np.array([t]), p, c) for t, p, c in zip(tokens, pos, caches, strict=True)
+            ]
+            logits = [rows[-1] for rows in backend.forward_step(model, segs)]
+            out.append(np.array(logits))
+            fed.append(tokens)
+            pos = [p + 1 for p in pos]
+    return np.array(out), np.array(fed)
+
+
+def test_batched_decode_is_each_rows_own(model_file):
+    """One token of each of four sequences per pass: the cache writes and the attention of
+    all rows run as one launch each (``attend_batch``), and every row's logits are bit for
+    bit those of the same batch run segment by segment (the base class's loop: a store and
+    an ``attention_gqa_*`` launch per sequence). Positions differ per row, go past the
+    sliding window (gemma3) and past several splits of the 128-position caches."""
+    from types import MethodType
+
+    from picollama.backends.base import Backend
+
+    be, ref = _cuda(graphs=False), _cuda(graphs=False)
+    ref.attend_batch = MethodType(Backend.attend_batch, ref)
+    got, fed = _batched_decode(be, model_file, [128] * 4)
+    want, fed_ref = _batched_decode(ref, model_file, [128] * 4)
+    np.testing.assert_array_equal(fed, fed_ref)
+    np.testing.assert_array_equal(got, want)
+
+
+SEQS = [PROMPT, PROMPT[:5], PROMPT[3:12], PROMPT[:2], PROMPT[7:], PROMPT[1:4]]
+# which sequences step together: one set of four; two sets of four taking turns (the same
+# graph, other caches); three; one alone
+SCHEDULE = [[0, 1, 2, 3]] * 6 + [[4, 5, 0, 1], [2, 3, 4, 5]] * 4 + [[0, 2, 4]] * 4 + [[1]] * 4
+
+
+def _scheduled_decode(backend, path):
+    """Greedy steps of the sequences of SEQS in the groups of SCHEDULE, one token of each
+    member per forward pass: the logits of every step, concatenated."""
+    from picollama.models.base import Segment
+
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        caches = [model.new_cache(128) for _ in SEQS]
+        last = [model.forward(np.array(p), 0, c)[-1] for p, c in zip(SEQS, caches, strict=True)]
+        pos = [len(p) for p in SEQS]
+        out = []
+        for group in SCHEDULE:
+            segs = [Segment(np.array([np.argmax(last[i])]), pos[i], caches[i]) for i in group]
+            for i, rows in zip(group, backend.forward_step(model, segs), strict=True):
+                last[i] = rows[-1]
+                pos[i] += 1
+                out.append(rows[-1])
+    return np.array(out)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_batched_decode_graphs_equal_eager(model_file, fuse):
+    """Steps of several sequences as CUDA graphs: one graph per number of sequences, whose
+    parameters are the token ids, the positions and the caches' pointers, so two sets of
+    caches taking turns replay the same graph (op by op, then whole). Against eager steps:
+    unfused bit-identical; fused within test_graph_replay_equals_eager's bound (the norm's
+    sum of squares in another order). Programmatic dependent launches on (sm_90)."""
+    graphs = _cuda(graphs=True, fuse=fuse, dependent_launch=True)
+    got = _scheduled_decode(graphs, model_file)
+    want = _scheduled_decode(_cuda(graphs=False), model_file)
+    stats = graphs.graph_stats
+    print(f"batched graphs, fuse={fuse}: {stats}")
+    assert stats["recorded"] == 3  # 4, 3 and 1 sequences
+    assert stats["fallbacks"] == 0
+    # whole replays: 4 sequences 14 steps, 3 sequences 4 steps, 1 sequence 4 steps; each
+    # key's first step records and the next _TRUST_AFTER replay op by op
+    assert stats["whole"] == 14 + 4 + 4 - 3 * (1 + _TRUST_AFTER)
+    if fuse:
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n_ctxs", [[128] * 4, [128, 96, 128, 64]], ids=["equal", "unequal"])
+def test_batched_decode_follows_each_sequence_alone(model_file, n_ctxs):
+    """The batched rows against each sequence decoded alone (one-token steps, the graphs'
+    kernels), teacher-forced with the batch's tokens: the matvecs of 4 rows and of 1 row
+    differ only in the order of float32 sums, so the logits agree to ~1e-5 of their scale.
+    Caches of unequal sizes take the segment-by-segment path, with the same results."""
+    got, fed = _batched_decode(_cuda(graphs=False), model_file, n_ctxs)
+    alone = []
+    for i, prompt in enumerate(PROMPTS):
+        be = _cuda()
+        with GGUFReader(model_file) as reader:
+            model = load_model(reader, be)
+            cache = model.new_cache(n_ctxs[i])
+            model.forward(np.array(prompt), 0, cache)
+            rows = []
+            for step, tok in enumerate(fed[:, i]):
+                rows.append(model.forward(np.array([tok]), len(prompt) + step, cache)[-1])
+        alone.append(np.array(rows))
+    alone = np.stack(alone, axis=1)
+    scale = np.abs(alone).max()
+    err = np.abs(got - alone).max() / scale
+    print(f"batched vs alone: max |diff| / max |logit| = {err:.2e}")
+    assert err < 1e-4
+
+
 @pytest.mark.parametrize("arithmetic,n_batch", [("exact", 64), ("ggml", 64), ("ggml", 8)])
 def test_perplexity_matches_cpu(model_file, arithmetic, n_batch):
     """Batches of 64 run through the dequantized-tile GEMM (float32 with "exact"; fp16

@@ -199,6 +199,31 @@ class Backend(ABC):
         Returns (n_tokens, n_heads * head_dim_v).
         """
 
+    def attend_batch(
+        self,
+        batch,
+        layer: int,
+        q: Array,
+        k: Array,
+        v: Array,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> Array:
+        """``store_kv`` and ``attention`` for each sequence of a batch; rows concatenated.
+
+        ``batch`` is a ``models.base.Batch``: its ``segments`` (tokens, start, cache) and the
+        rows ``bounds`` of each in ``q``, ``k``, ``v``. A backend may do all the segments in
+        one launch (the server's decode steps: one token of each of several sequences);
+        each segment's result must be what the loop below gives it.
+        """
+        parts = []
+        for seg, (a, b) in zip(batch.segments, batch.bounds, strict=True):
+            self.store_kv(seg.cache, layer, k[a:b], v[a:b], seg.start)
+            att = self.attention(q[a:b], seg.cache, layer, seg.start, scale, window, softcap)
+            parts.append(att)
+        return parts[0] if len(parts) == 1 else self.concat(parts)
+
     @abstractmethod
     def silu_mul(self, gate: Array, up: Array) -> Array:
         """``silu(gate) * up`` (SwiGLU)."""

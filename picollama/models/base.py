@@ -196,12 +196,9 @@ class Batch:
     def attend(
         self, be: Backend, layer: int, q, k, v, scale: float, window: int = 0, softcap: float = 0.0
     ):
-        """Store each segment's k/v in its cache and attend within it; rows concatenated."""
-        parts = []
-        for seg, (a, b) in zip(self.segments, self.bounds, strict=True):
-            be.store_kv(seg.cache, layer, k[a:b], v[a:b], seg.start)
-            parts.append(be.attention(q[a:b], seg.cache, layer, seg.start, scale, window, softcap))
-        return parts[0] if len(parts) == 1 else be.concat(parts)
+        """Store each segment's k/v in its cache and attend within it; rows concatenated
+        (``Backend.attend_batch``)."""
+        return be.attend_batch(self, layer, q, k, v, scale, window, softcap)
 
     def split(self, logits: np.ndarray) -> list[np.ndarray]:
         """The host logits of ``logit_rows``, one array per segment."""

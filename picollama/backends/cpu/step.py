@@ -33,7 +33,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import intrinsic
 
-from picollama.backends.base import BackendError, Weight
+from picollama.backends.base import Backend, BackendError, Weight
 from picollama.backends.cpu import attention as _attn
 from picollama.backends.cpu import ggml_math, kernels, ops
 from picollama.backends.cpu.intrinsics import f16_bits
@@ -521,6 +521,9 @@ class _Tracer:
 
     def __getattr__(self, name):
         raise Untraceable(f"backend attribute '{name}'")
+
+    # segment by segment, through store_kv and attention below (``_group_attention``)
+    attend_batch = Backend.attend_batch
 
     # -- bookkeeping --
 

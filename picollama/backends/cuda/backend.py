@@ -92,6 +92,7 @@ _ATT_TILES_MIN = 32  # prompt batches of at least this many rows: attention_tile
 _ATT_TILE = 32  # queries and keys per tile of attention_tiles_* (FA_BQ, FA_BK)
 _MEM_MARGIN = 64 << 20  # bytes kept free for cuBLAS, the CUDA context and small buffers
 _EW_THREADS = 256  # threads per block of the elementwise kernels
+_MAX_CACHE_TABLES = 256  # sets of caches whose pointer tables are kept (attend_batch)
 _MAX_GRAPH_MISSES = 4  # divergent replays before graphs are turned off
 _TRUST_AFTER = 2  # clean op-by-op replays of a (model, cache) step before whole-step replay
 ARITHMETICS = ("ggml", "exact")
@@ -268,8 +269,9 @@ class _OpRecord:
 class _Trace:
     """A recorded decode step: its ops, their kernel launches and the captured graph."""
 
-    def __init__(self, first_weight):
+    def __init__(self, first_weight, params: _Params):
         self.first_weight = first_weight
+        self.params = params  # the step's parameters (params.n tokens)
         self.ops: list[_OpRecord] = []
         self.launches: list = []  # _Launch or _Matvec, in order
         self.refs: list = [first_weight]  # objects whose id() appears in the keys
@@ -283,16 +285,53 @@ class _Trace:
 
 
 class _Step:
-    """A (model, cache, logit rows) single-token step and how often its graph replayed
-    cleanly op by op; after ``_TRUST_AFTER`` such replays it is replayed whole."""
+    """A (model, cache, logit rows) single-token step, or a step of one token of each of
+    several sequences (``cache`` None: the caches are the step's parameters), and how often
+    its graph replayed cleanly op by op; after ``_TRUST_AFTER`` such replays it is replayed
+    whole."""
 
     __slots__ = ("model", "cache", "trace", "clean")
 
     def __init__(self, model, cache, trace):
         self.model = weakref.ref(model)
-        self.cache = weakref.ref(cache)
+        self.cache = weakref.ref(cache) if cache is not None else _none
         self.trace = trace
         self.clean = 0
+
+    def alive(self) -> bool:
+        return self.model() is not None and (self.cache is _none or self.cache() is not None)
+
+
+def _none():
+    return None
+
+
+def _cache_shape(cache: KVCache) -> tuple:
+    """What a step's kernels take from a cache besides its memory (launch sizes, strides)."""
+    return (cache.n_ctx, cache.n_kv_heads, cache.head_dim_k, cache.head_dim_v, cache.n_layers)
+
+
+class _Params:
+    """A decode step's parameters on the device, copied up from pinned memory by the first
+    node of its graph: the positions of its ``n`` tokens, their ids, then (n > 1) the
+    caches' pointer table, uint64 (n_layers, 2 (k, v), n), so that one graph serves any
+    set of caches (``attend_batch``). For one token: 8 bytes, position then id."""
+
+    def __init__(self, cp, n: int, n_layers: int):
+        self.n = n
+        n_i32 = 2 * n + (2 * n) % 4  # the table starts 16-byte aligned
+        n_table = n_layers * 2 * n if n > 1 else 0
+        self.nbytes = 4 * n_i32 + 8 * n_table
+        self.mem = cp.cuda.alloc_pinned_memory(self.nbytes)
+        self.host_pos = np.frombuffer(self.mem, dtype=np.int32, count=n)
+        self.host_ids = np.frombuffer(self.mem, dtype=np.int32, count=n, offset=4 * n)
+        self.host_table = np.frombuffer(
+            self.mem, dtype=np.uint64, count=n_table, offset=4 * n_i32
+        ).reshape(n_layers if n > 1 else 0, 2, n)
+        self.dev = cp.zeros(self.nbytes, dtype=cp.uint8)
+        self.pos = self.dev[: 4 * n].view(cp.int32)
+        self.ids = self.dev[4 * n : 8 * n].view(cp.int32)
+        self.table = self.dev[4 * n_i32 :].view(cp.uint64).reshape(self.host_table.shape)
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute (cuda.h)
@@ -456,6 +495,12 @@ class CUDABackend(Backend):
                     for dpl in (2, 4, 8)
                     for gb in (1, 2, 4, 8)
                 }
+                self._k_att_gqa_rows = {
+                    (dpl, gb): self._ops.get_function(f"attention_gqa_rows_{dpl}_{gb}")
+                    for dpl in (2, 4, 8)
+                    for gb in (1, 2, 4, 8)
+                }
+                self._k_store_rows = self._ops.get_function("store_kv_rows")
                 self._k_add = self._ops.get_function("add")
                 self._k_mul = self._ops.get_function("mul")
                 self._k_scale = self._ops.get_function("scale")
@@ -468,13 +513,15 @@ class CUDABackend(Backend):
                 # cuBLAS's alpha and beta for the float32 GEMM, read from the device (the
                 # fp16 GEMM's come from to_half_scaled)
                 self._gemm_scal = cp.asarray(np.array([1.0, 0.0], dtype=np.float32))
-                # a decode step's token id and position (params[0] = position, [1] = id)
-                self._params_dev = cp.zeros(2, dtype=cp.int32)
+                # a decode step's position and token id; several sequences' steps have
+                # their own (_params_for)
+                self._params1 = _Params(cp, 1, 0)
         except cp.cuda.compiler.CompileException as err:
             raise BackendError(f"the CUDA kernels did not compile: {err}") from None
         self._quant_mods: dict[GGMLType, _Kernels] = {}
-        self._params_mem = cp.cuda.alloc_pinned_memory(8)
-        self._params_host = np.frombuffer(self._params_mem, dtype=np.int32, count=2)
+        self._params = self._params1  # the current step's
+        self._params_n: dict[tuple[int, int], _Params] = {}
+        self._multi = None  # forward_step's segments, one token each, while they run
         self._readback_mem = None
         self._readback_size = 0
         self._workspace = None
@@ -486,10 +533,10 @@ class CUDABackend(Backend):
         self.whole_steps = bool(whole_steps)
         self._mode = _EAGER
         self._trace: _Trace | None = None
-        self._traces: dict[int, _Trace] = {}
+        self._traces: dict[tuple[int, int], _Trace] = {}  # (id(first weight), tokens)
         self._op_i = 0
         self._launched = False
-        self._step_pos: int | None = None
+        self._step_pos: tuple | None = None
         self._misses = 0
         # whole-step replay: (id(model), id(cache), logit rows) -> _Step
         self._steps: dict[tuple, _Step] = {}
@@ -517,6 +564,7 @@ class CUDABackend(Backend):
         if self._pdl is not None:
             self._pdl.stream = self._stream.ptr
             self._pdl.kernels = {id(k) for k in self._k_att_gqa.values()}
+            self._pdl.kernels.update(id(k) for k in self._k_att_gqa_rows.values())
             self._pdl.kernels.add(id(self._k_rope_store))
         self.graph_stats["dependent_launch"] = self._pdl is not None
         # decode graphs begin with the copy of token id and position to the device and end
@@ -530,6 +578,8 @@ class CUDABackend(Backend):
         self._dev_pos_src = None
         self._dev_pos = None
         self._dev_starts: dict[int, object] = {}
+        # several sequences' decode steps: their caches' device pointers (_cache_table)
+        self._cache_tables: dict[tuple, tuple] = {}
 
     # -- kernels ----------------------------------------------------------------------------
 
@@ -777,58 +827,80 @@ class CUDABackend(Backend):
     def forward_step(self, model, segments: list) -> list[np.ndarray]:
         """``model.forward_batch(segments)``, or the replay of a proven decode step.
 
-        A single segment of one token is keyed on (model, cache, logit rows). Its step runs
-        through the model (recording, or replaying the graph op by op with every check);
-        when such a pass matched its recording to the end and nothing ran after the logits'
-        read-back, the key counts one clean replay. After ``_TRUST_AFTER`` of them, steps of
-        that key only set the token id and position, launch the graph and read back the
-        logits (see the module doc for the contract).
+        A single segment of one token is keyed on (model, cache, logit rows); one token of
+        each of 2 to ``MV_MAX_TOKENS`` sequences (the server's batches) on (model, number of
+        sequences, the caches' sizes), whatever the caches, whose device pointers are the
+        step's parameters. Such a step runs through the model (recording, or replaying the
+        graph op by op with every check); when a pass matched its recording to the end and
+        nothing ran after the logits' read-back, the key counts one clean replay. After
+        ``_TRUST_AFTER`` of them, steps of that key only set the token ids, positions (and
+        caches), launch the graph and read back the logits (see the module doc for the
+        contract).
         """
-        seg = segments[0] if len(segments) == 1 else None
-        if not (self.graphs and self.whole_steps) or seg is None or len(seg.tokens) != 1:
+        n = len(segments)
+        if (
+            not self.graphs
+            or not 1 <= n <= MV_MAX_TOKENS
+            or any(len(seg.tokens) != 1 for seg in segments)
+        ):
             return model.forward_batch(segments)
-        rows = seg.logit_rows
-        rows_key = None if rows is None else tuple(np.asarray(rows).reshape(-1).tolist())
-        key = (id(model), id(seg.cache), rows_key)
+        seg = segments[0]
+        if n == 1:
+            rows = seg.logit_rows
+            rows_key = None if rows is None else tuple(np.asarray(rows).reshape(-1).tolist())
+            key, cache = (id(model), id(seg.cache), rows_key), seg.cache
+        else:
+            shape = _cache_shape(seg.cache)
+            if any(s.logit_rows is not None or _cache_shape(s.cache) != shape for s in segments):
+                return model.forward_batch(segments)  # eager
+            key, cache = (id(model), n, shape), None
+        if not self.whole_steps:
+            return self._forward_traced(model, segments)
         step = self._steps.get(key)
-        if step is not None and (step.model() is not model or step.cache() is not seg.cache):
+        if step is not None and (step.model() is not model or step.cache() is not cache):
             step = None  # ids reused by new objects
         if (
             step is not None
             and step.clean >= _TRUST_AFTER
-            and self._traces.get(id(step.trace.first_weight)) is step.trace
+            and self._traces.get((id(step.trace.first_weight), n)) is step.trace
         ):
-            return [self._replay_whole(step.trace, seg)]
+            return self._replay_whole(step.trace, segments)
         self._clean = None
-        out = model.forward_batch(segments)
+        out = self._forward_traced(model, segments)
         clean, self._clean = self._clean, None
-        if clean is None or clean[2] != self._n_launches or len(out) != 1:
+        if clean is None or clean[2] != self._n_launches or len(out) != n:
             return out
         trace, host, _ = clean
-        if out[0].base is not host or out[0].shape != host.shape:
+        if any(o.base is not host for o in out) or sum(len(o) for o in out) != len(host):
             return out  # the model did more than return the read-back logits
         if step is None or step.trace is not trace:
-            self._steps = {
-                k: v
-                for k, v in self._steps.items()
-                if v.model() is not None and v.cache() is not None
-            }
-            step = self._steps[key] = _Step(model, seg.cache, trace)
+            self._steps = {k: v for k, v in self._steps.items() if v.alive()}
+            step = self._steps[key] = _Step(model, cache, trace)
         step.clean += 1
         return out
 
-    def _replay_whole(self, trace: _Trace, seg) -> np.ndarray:
+    def _forward_traced(self, model, segments: list) -> list[np.ndarray]:
+        """``model.forward_batch``, with several one-token segments known to ``_begin_step``
+        (so that their step is recorded or replayed as a graph)."""
+        self._multi = segments if len(segments) > 1 else None
+        try:
+            return model.forward_batch(segments)
+        finally:
+            self._multi = None
+
+    def _replay_whole(self, trace: _Trace, segments: list) -> list[np.ndarray]:
         """One decode step from its graph: the logits (1 row per logit row) on the host."""
-        token, start, cache = int(seg.tokens[0]), int(seg.start), seg.cache
         w = trace.first_weight
-        if not 0 <= token < w.m:
-            raise BackendError(f"get_rows: row {token} is outside '{w.name}' ({w.m} rows)")
-        if start + 1 > cache.n_ctx:
-            raise BackendError(f"KV cache of {cache.n_ctx} positions overflows at {start + 1}")
+        for seg in segments:
+            token, start, cache = int(seg.tokens[0]), int(seg.start), seg.cache
+            if not 0 <= token < w.m:
+                raise BackendError(f"get_rows: row {token} is outside '{w.name}' ({w.m} rows)")
+            if start + 1 > cache.n_ctx:
+                raise BackendError(f"KV cache of {cache.n_ctx} positions overflows at {start + 1}")
         self._end_step()
         t0 = time.perf_counter()
-        self._params_host[0] = start
-        self._params_host[1] = token
+        p = self._params = trace.params
+        self._set_params(p, segments)
         with self._stream:
             if trace.host is None:
                 self._upload_params()
@@ -840,7 +912,26 @@ class CUDABackend(Backend):
         stats["wait_s"] += time.perf_counter() - t1
         stats["replayed"] += 1
         stats["whole"] += 1
-        return host
+        return [host] if p.n == 1 else [host[i : i + 1] for i in range(p.n)]
+
+    def _set_params(self, p: _Params, segments: list) -> None:
+        """Token ids, positions and (several sequences) cache pointers of a decode step."""
+        if p.n == 1:
+            p.host_pos[0] = int(segments[0].start)
+            p.host_ids[0] = int(segments[0].tokens[0])
+            return
+        p.host_pos[:] = [seg.start for seg in segments]
+        p.host_ids[:] = [int(seg.tokens[0]) for seg in segments]
+        p.host_table[...] = self._cache_table([seg.cache for seg in segments])[0]
+
+    def _params_for(self, n: int, n_layers: int) -> _Params:
+        if n == 1:
+            return self._params1
+        p = self._params_n.get((n, n_layers))
+        if p is None:
+            with self._stream:
+                p = self._params_n[(n, n_layers)] = _Params(self.cp, n, n_layers)
+        return p
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -862,7 +953,7 @@ class CUDABackend(Backend):
     def _dev_positions(self, positions: np.ndarray):
         """Positions as a device int32 array (the step's parameter buffer in a decode step)."""
         if self._mode != _EAGER:
-            return self._params_dev[0:1]
+            return self._params.pos
         if self._dev_pos_src is not positions:
             self._dev_pos = self._upload_i32(positions)
             self._dev_pos_src = positions
@@ -870,7 +961,7 @@ class CUDABackend(Backend):
 
     def _dev_start(self, start: int):
         if self._mode != _EAGER:
-            return self._params_dev[0:1]
+            return self._params.pos[0:1]  # one token (else _bind_positions left the graph)
         dev = self._dev_starts.get(start)
         if dev is None:
             dev = self._dev_starts[start] = self._upload_i32([start])
@@ -878,10 +969,11 @@ class CUDABackend(Backend):
 
     def _upload_params(self) -> None:
         cp = self.cp
+        p = self._params
         cp.cuda.runtime.memcpyAsync(
-            self._params_dev.data.ptr,
-            self._params_mem.ptr,
-            8,
+            p.dev.data.ptr,
+            p.mem.ptr,
+            p.nbytes,
             cp.cuda.runtime.memcpyHostToDevice,
             self._stream.ptr,
         )
@@ -896,18 +988,23 @@ class CUDABackend(Backend):
         self._end_step()
         self._dev_pos_src = None
         self._dev_starts = {}
-        if not (self.graphs and len(ids) == 1):
+        n, multi = len(ids), self._multi
+        if not (self.graphs and (n == 1 or (multi is not None and len(multi) == n))):
             return
-        self._params_host[1] = int(ids[0])
+        p = self._params = self._params_for(n, multi[0].cache.n_layers if n > 1 else 0)
+        if n > 1:
+            self._set_params(p, multi)
+        else:
+            p.host_ids[0] = int(ids[0])
         self._step_pos = None
-        trace = self._traces.get(id(w))
-        if trace is not None and trace.graph is not None:
+        trace = self._traces.get((id(w), n))
+        if trace is not None and trace.graph is not None and trace.params is p:
             self._mode, self._trace = _REPLAY, trace
             self._op_i = 0
             self._launched = False
             self._step_t0 = time.perf_counter()
         else:
-            self._mode, self._trace = _RECORD, _Trace(w)
+            self._mode, self._trace = _RECORD, _Trace(w, p)
             with self._stream:
                 self._upload_params()
 
@@ -921,15 +1018,17 @@ class CUDABackend(Backend):
         """Stop recording this step (it runs on eagerly; nothing is captured)."""
         self._mode, self._trace = _EAGER, None
 
-    def _bind_pos(self, pos: int) -> None:
-        """The step's position (from rope, store_kv or attention); one per decode step."""
-        if self._step_pos is None:
-            self._step_pos = pos
-            self._params_host[0] = pos
+    def _bind_positions(self, positions) -> None:
+        """The step's positions (from rope, store_kv, attention or attend_batch), one per
+        token; one set per decode step. Others leave the graph: the step goes on eagerly."""
+        key = tuple(int(p) for p in positions)
+        if self._step_pos is None and len(key) == self._params.n:
+            self._step_pos = key
+            self._params.host_pos[:] = key
             if self._mode == _RECORD:
                 with self._stream:
                     self._upload_params()
-        elif pos != self._step_pos:
+        elif key != self._step_pos:
             if self._mode == _RECORD:
                 self._abort_record()
             else:
@@ -997,7 +1096,7 @@ class CUDABackend(Backend):
             self._upload_params()
             for launch in trace.launches[:n]:
                 launch.run()
-        self._traces.pop(id(trace.first_weight), None)
+        self._traces.pop((id(trace.first_weight), trace.params.n), None)
         self.graph_stats["fallbacks"] += 1
         self._misses += 1
         if self._misses >= _MAX_GRAPH_MISSES:
@@ -1037,7 +1136,7 @@ class CUDABackend(Backend):
     def _capture(self, trace: _Trace) -> None:
         launch_at = len(trace.ops) - 1
         for i, rec in enumerate(trace.ops):
-            if rec.key[0] == "store_kv":
+            if rec.key[0] in ("store_kv", "attend_batch"):
                 launch_at = i
                 break
         trace.launch_at = launch_at
@@ -1046,7 +1145,7 @@ class CUDABackend(Backend):
         launches = self._fuse(trace) if self.fuse else trace.launches
         trace.n_graph_kernels = len(launches)
         # the graph's own copies: token id and position up first (the kernels read them
-        # from _params_dev), the logits down last, into pinned memory of the trace's own;
+        # from the step's _Params), the logits down last, into pinned memory of the trace's own;
         # on the H200 each copy as a call of its own cost host time between steps (run 11)
         logits = trace.ops[-1].out  # to_host's input, contiguous
         host_mem = None
@@ -1094,7 +1193,7 @@ class CUDABackend(Backend):
             trace.host_mem = host_mem
             host = np.frombuffer(host_mem, dtype=logits.dtype, count=logits.size)
             trace.host = host.reshape(logits.shape)
-        self._traces[id(trace.first_weight)] = trace
+        self._traces[(id(trace.first_weight), trace.params.n)] = trace
         self.graph_stats["recorded"] += 1
         self.graph_stats["kernels"] = trace.n_graph_kernels
 
@@ -1589,7 +1688,7 @@ class CUDABackend(Backend):
             out = self._empty((n, dw.k))
             if n == 0:
                 return out
-            dev_ids = self._params_dev[1:2] if self._mode != _EAGER else self._upload_i32(ids)
+            dev_ids = self._params.ids if self._mode != _EAGER else self._upload_i32(ids)
             args = (
                 dw.buf,
                 np.int64(dw.n_blocks),
@@ -1628,13 +1727,9 @@ class CUDABackend(Backend):
         positions = np.asarray(positions)
         if self._mode == _EAGER:
             return self._rope(x, positions, n_rot, freq_base, freq_scale, neox)
-        if len(positions) != 1:
-            if self._mode == _RECORD:
-                self._abort_record()
-            else:
-                self._diverge()
+        self._bind_positions(positions)
+        if self._mode == _EAGER:
             return self._rope(x, positions, n_rot, freq_base, freq_scale, neox)
-        self._bind_pos(int(positions[0]))
         key = ("rope", x.shape, int(n_rot), float(freq_base), float(freq_scale), bool(neox))
         return self._dispatch(
             key, (x,), lambda: self._rope(x, positions, n_rot, freq_base, freq_scale, neox)
@@ -1674,7 +1769,7 @@ class CUDABackend(Backend):
         if self._mode == _EAGER:
             self._store_kv(cache, layer, k, v, start)
             return
-        self._bind_pos(int(start))
+        self._bind_positions((start,))
         if self._mode == _EAGER:
             self._store_kv(cache, layer, k, v, start)
             return
@@ -1711,7 +1806,7 @@ class CUDABackend(Backend):
     def attention(self, q, cache, layer, start, scale, window=0, softcap=0.0):
         if self._mode == _EAGER:
             return self._attention(q, cache, layer, start, scale, window, softcap)
-        self._bind_pos(int(start))
+        self._bind_positions((start,))
         if self._mode == _EAGER:
             return self._attention(q, cache, layer, start, scale, window, softcap)
         self._trace_ref(cache)
@@ -1782,13 +1877,107 @@ class CUDABackend(Backend):
                 self._launch(self._k_comb, (n_heads, n), (128,), args)
         return out
 
-    def _gqa_kernel(self, n_heads: int, cache: KVCache):
+    def attend_batch(self, batch, layer, q, k, v, scale, window=0, softcap=0.0):
+        """One token of each of several sequences (the server's decode step): every k/v row
+        into its cache in one launch (``store_kv_rows``) and the rows' attention in another
+        (``attention_gqa_rows_*``), each row exactly as ``attention_gqa_*`` computes it
+        alone. The caches must agree in size (so each row gets the splits it gets alone);
+        anything else goes segment by segment. In a decode graph the caches' pointers and
+        positions are the step's parameters (``_Params``)."""
+        segs = batch.segments
+        n = len(segs)
+        c0 = segs[0].cache
+        shape = _cache_shape(c0)
+        kernel = self._gqa_kernel(q.shape[1], c0, rows=True) if q.ndim == 3 else None
+        if (
+            n < 2
+            or len(batch) != n
+            or kernel is None
+            or any(_cache_shape(s.cache) != shape for s in segs)
+        ):
+            return super().attend_batch(batch, layer, q, k, v, scale, window, softcap)
+        for seg in segs:
+            if seg.start + 1 > seg.cache.n_ctx:
+                raise BackendError(
+                    f"KV cache of {seg.cache.n_ctx} positions overflows at {seg.start + 1}"
+                )
+        if self._mode != _EAGER:
+            self._bind_positions(batch.positions)
+        if self._mode == _EAGER:
+            table = self._cache_table([s.cache for s in segs])[1]
+            return self._attend_rows(
+                kernel, q, k, v, c0, table[layer], self._dev_positions(batch.positions),
+                scale, window, softcap,
+            )  # fmt: skip
+        p = self._params
+        key = ("attend_batch", layer, q.shape, k.shape, v.shape, float(scale), int(window))
+        key += (float(softcap), shape)
+        return self._dispatch(
+            key,
+            (q, k, v),
+            lambda: self._attend_rows(
+                kernel, q, k, v, c0, p.table[layer], p.pos, scale, window, softcap
+            ),
+        )
+
+    def _attend_rows(self, kernel, q, k, v, c0, table, starts, scale, window, softcap):
+        """``attend_batch``'s two launches; ``table``: the layer's (2, n) cache pointers."""
+        q, k, v = self._contig(q), self._contig(k), self._contig(v)
+        n, n_heads, hd = q.shape
+        n_kv = c0.n_kv_heads
+        kdim, vdim = k.size // n, v.size // n
+        if hd != c0.head_dim_k or kdim != n_kv * hd or vdim != n_kv * hd:
+            raise BackendError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} for the caches")
+        n_splits = self._gqa_splits(c0)
+        group = n_heads // n_kv
+        with self._stream:
+            args = (k, v, table[0], table[1], starts, np.int32(n), np.int32(kdim), np.int32(vdim))
+            self._launch(self._k_store_rows, self._grid1(n * (kdim + vdim)), (_EW_THREADS,), args)
+            out = self._empty((n, n_heads * hd))
+            part = self._empty((n * n_kv * n_splits * group * (hd + 2),)) if n_splits > 1 else out
+            counter = self.cp.zeros((n * n_kv,), dtype=self.cp.int32)
+            args = (
+                q, table[0], table[1], starts, np.int32(n_heads), np.int32(n_kv),
+                np.float32(scale), np.int32(window), np.float32(softcap),
+                np.int32(_ATT_SPLIT_KEYS), out, part, counter,
+                np.int32(self._pdl_at(n * n_kv * n_splits)),
+            )  # fmt: skip
+            self._launch(kernel, (n_kv, n_splits, n), (128,), args)
+        return out
+
+    def _cache_table(self, caches: list) -> tuple:
+        """The device pointers of ``caches``' layers, uint64 (n_layers, 2 (k, v), len(caches)),
+        on the host and on the device; made once per set of caches."""
+        key = tuple((id(c), c.k[0].data.ptr) for c in caches)
+        hit = self._cache_tables.get(key)
+        if hit is not None and all(ref() is c for ref, c in zip(hit[0], caches, strict=True)):
+            return hit[1]
+        if len(self._cache_tables) >= _MAX_CACHE_TABLES:
+            self._cache_tables = {
+                k: v for k, v in self._cache_tables.items() if all(r() is not None for r in v[0])
+            }
+            if len(self._cache_tables) >= _MAX_CACHE_TABLES:
+                self._cache_tables.clear()
+        host = np.array(
+            [
+                [[c.k[il].data.ptr for c in caches], [c.v[il].data.ptr for c in caches]]
+                for il in range(caches[0].n_layers)
+            ],
+            dtype=np.uint64,
+        )
+        with self._stream:
+            dev = self.cp.asarray(host)
+        self._cache_tables[key] = ([weakref.ref(c) for c in caches], (host, dev))
+        return host, dev
+
+    def _gqa_kernel(self, n_heads: int, cache: KVCache, rows: bool = False):
         """The decode attention kernel for whole GQA groups (ops.cu), or None where its
         shapes don't fit: head_dim 64, 128 or 256 for keys and values, groups of <= 8."""
         hd, group = cache.head_dim_k, n_heads // cache.n_kv_heads
         if hd != cache.head_dim_v or hd not in (64, 128, 256) or not 1 <= group <= 8:
             return None
-        return self._k_att_gqa[(hd // 32, 1 << (group - 1).bit_length())]
+        kernels = self._k_att_gqa_rows if rows else self._k_att_gqa
+        return kernels[(hd // 32, 1 << (group - 1).bit_length())]
 
     def _pdl_at(self, n_blocks: int, per_sm: int = 1) -> int:
         """Where a kernel of ``n_blocks`` blocks, ``per_sm`` of which fit an SM, lets its

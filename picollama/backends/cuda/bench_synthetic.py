@@ -220,6 +220,40 @@ def _run_one(
     return result
 
 
+def stream_steps(path: str, levels: tuple[int, ...], n_steps: int = 32, prompt: int = 32) -> list:
+    """Decode steps of N sequences at once (the server's batches: one token of each of N
+    sequences, each in its own cache, through ``forward_step``), in process: for each N of
+    ``levels``, (N, median ms a step, aggregate tokens/s, graph_stats after it). Each
+    sequence first takes a prompt of ``prompt`` random tokens; the steps feed random tokens
+    (the step's cost does not depend on them); the first 4 steps of a level are warm-up."""
+    from picollama.backends.cuda.backend import CUDABackend
+    from picollama.gguf import GGUFReader
+    from picollama.models import load_model
+    from picollama.models.base import Segment
+
+    backend = CUDABackend()
+    rng = np.random.default_rng(0)
+    out = []
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        n_vocab = model.args.n_vocab
+        for n in levels:
+            caches = [model.new_cache(prompt + n_steps + 8) for _ in range(n)]
+            for cache in caches:
+                model.forward(rng.integers(0, n_vocab, size=prompt), 0, cache)
+            times = []
+            for step in range(n_steps + 4):
+                tokens = rng.integers(0, n_vocab, size=n)
+                segs = [Segment(tokens[i : i + 1], prompt + step, c) for i, c in enumerate(caches)]
+                t0 = time.perf_counter()
+                backend.forward_step(model, segs)
+                times.append(time.perf_counter() - t0)
+            ms = float(np.median(times[4:])) * 1e3
+            out.append((n, ms, n / ms * 1e3, dict(backend.graph_stats)))
+            del caches
+    return out
+
+
 def _prefill_gpu_ms(ctx, backend, n: int, rng, reps: int = 3) -> float:
     """Milliseconds of GPU work in one prompt batch of ``n`` tokens, without the host's share:
     the backend's stream is held by a spinning kernel (~0.5 s) while the host enqueues the
@@ -308,6 +342,7 @@ def profile_step(backend, reps: int = 20) -> list[tuple[str, int, float]]:
         return f"{kind} {w.qtype.name} {rows}x{w.k} {what}"
 
     kinds = [name(launch) for launch in launches]
+    backend._params = trace.params
     backend._upload_params()
     whole = _graph_us(backend, launches, reps)
     rows = [("graph", len(launches), whole)]
@@ -609,6 +644,17 @@ def _graph_us(be, launches, reps: int) -> float:
     return cp.cuda.get_elapsed_time(t0, t1) * 1000 / reps
 
 
+def _model_path(directory: str, spec: str) -> str:
+    """The synthetic file of ``spec`` ("135m-q4_k_m") in ``directory``, written if missing."""
+    shape_name, mix = spec.split("-", 1)
+    path = os.path.join(directory, f"synth-{spec}.gguf")
+    if not os.path.exists(path):
+        t0 = time.perf_counter()
+        write_model(path, shape_name, mix, seed=zlib.crc32(spec.encode()))
+        print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="135m-q4_k_m,135m-q8_0,1b-q4_k_m,8b-q4_k_m")
@@ -645,6 +691,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also time each file with llama.cpp's llama-bench (-ngl 99, -fa off and on)",
     )
+    p.add_argument(
+        "--streams",
+        default=None,
+        metavar="N,N,...",
+        help="time decode steps of N sequences at once (the server's batches) and exit",
+    )
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one model, in-process
     p.add_argument("--kernels", action="store_true", help="time single matvecs and exit")
     p.add_argument("--sweep", action="store_true", help="time int8 matvec build variants")
@@ -667,6 +719,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {us:8.1f} us (graph, back to back; with attn_combine if split)")
         return 0
 
+    if args.streams:
+        levels = tuple(int(v) for v in args.streams.split(","))
+        os.makedirs(args.dir, exist_ok=True)
+        print("| model | sequences | ms a step | tokens/s | vs 1 sequence |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for spec in args.models.split(","):
+            path = _model_path(args.dir, spec)
+            rows = stream_steps(path, levels)
+            one = next((tps for n, _ms, tps, _st in rows if n == 1), None)
+            for n, ms, tps, _stats in rows:
+                ratio = f"{tps / one:.2f}x" if one else "-"
+                print(f"| {spec} | {n} | {ms:.2f} | {tps:.0f} | {ratio} |", flush=True)
+        return 0
+
     if args.run:
         res = _run_one(
             args.run,
@@ -687,12 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     peers: dict[str, dict] = {}
     for spec in args.models.split(","):
-        shape_name, mix = spec.split("-", 1)
-        path = os.path.join(args.dir, f"synth-{spec}.gguf")
-        if not os.path.exists(path):
-            t0 = time.perf_counter()
-            write_model(path, shape_name, mix, seed=zlib.crc32(spec.encode()))
-            print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+        path = _model_path(args.dir, spec)
         cmd = [sys.executable, "-m", "picollama.backends.cuda.bench_synthetic", "--run", path]
         cmd += ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions)]
         if args.no_graphs:

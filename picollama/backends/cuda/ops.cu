@@ -153,6 +153,25 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
     }
 }
 
+// One row of k and v into each of n caches: row t at starts[t] of kcs[t] / vcs[t] (the
+// server's decode step, a token of each of several sequences; the host checks the starts).
+extern "C" __global__ void store_kv_rows(const float* __restrict__ k,
+                                         const float* __restrict__ v, u16* const* __restrict__ kcs,
+                                         u16* const* __restrict__ vcs,
+                                         const int* __restrict__ starts, int n, int kdim,
+                                         int vdim) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    i64 nk = (i64)n * kdim, nv = (i64)n * vdim;
+    if (idx < nk) {
+        int t = (int)(idx / kdim), j = (int)(idx % kdim);
+        kcs[t][(i64)starts[t] * kdim + j] = f2h(k[idx]);
+    } else if (idx < nk + nv) {
+        i64 i2 = idx - nk;
+        int t = (int)(i2 / vdim), j = (int)(i2 % vdim);
+        vcs[t][(i64)starts[t] * vdim + j] = f2h(v[i2]);
+    }
+}
+
 // ------------------------------------------------------------------------------ attention
 
 // The first key position a query at pos attends to: 0, or pos - window + 1 with a sliding
@@ -815,18 +834,39 @@ __device__ __forceinline__ void attention_gqa_body(
         attention_gqa_##DPL##_##GB(ATD_PARAMS) {                                           \
         attention_gqa_body<DPL, GB>(ATD_ARGS);                                             \
     }
-ATD_KERNEL(2, 1)
-ATD_KERNEL(2, 2)
-ATD_KERNEL(2, 4)
-ATD_KERNEL(2, 8)
-ATD_KERNEL(4, 1)
-ATD_KERNEL(4, 2)
-ATD_KERNEL(4, 4)
-ATD_KERNEL(4, 8)
-ATD_KERNEL(8, 1)
-ATD_KERNEL(8, 2)
-ATD_KERNEL(8, 4)
-ATD_KERNEL(8, 8)
+// attention_gqa_rows_<DPL>_<GB>: the same for one token of each of gridDim.z sequences, row z
+// of q and out, its cache at kcs[z] / vcs[z], its position starts[z], its own split
+// partials and counters (so each row gets exactly what attention_gqa_* gives it alone)
+#define ATD_ROWS_KERNEL(DPL, GB)                                                           \
+    extern "C" __global__ void __launch_bounds__(ATD_WARPS * 32)                           \
+        attention_gqa_rows_##DPL##_##GB(                                                   \
+            const float *__restrict__ q, const u16 *const *__restrict__ kcs,                \
+            const u16 *const *__restrict__ vcs, const int *__restrict__ starts, int n_heads, \
+            int n_kv_heads, float scale, int window, float softcap, int min_keys,           \
+            float *__restrict__ out, float *__restrict__ part, int *__restrict__ counter,   \
+            int pdl_at) {                                                                  \
+        const int z = blockIdx.z;                                                          \
+        const i64 row = (i64)n_heads * 32 * DPL;                                           \
+        const i64 part_row = (i64)gridDim.x * gridDim.y * (n_heads / n_kv_heads) *         \
+                             (32 * DPL + 2);                                               \
+        attention_gqa_body<DPL, GB>(q + z * row, kcs[z], vcs[z], starts + z, n_heads,      \
+                                    n_kv_heads, scale, window, softcap, min_keys,          \
+                                    out + z * row, part + z * part_row,                    \
+                                    counter + z * n_kv_heads, pdl_at);                     \
+    }
+#define ATD_KERNELS(DPL, GB) ATD_KERNEL(DPL, GB) ATD_ROWS_KERNEL(DPL, GB)
+ATD_KERNELS(2, 1)
+ATD_KERNELS(2, 2)
+ATD_KERNELS(2, 4)
+ATD_KERNELS(2, 8)
+ATD_KERNELS(4, 1)
+ATD_KERNELS(4, 2)
+ATD_KERNELS(4, 4)
+ATD_KERNELS(4, 8)
+ATD_KERNELS(8, 1)
+ATD_KERNELS(8, 2)
+ATD_KERNELS(8, 4)
+ATD_KERNELS(8, 8)
 
 // ---------------------------------------------------------------------------- elementwise
 
