@@ -163,7 +163,7 @@ def test_get_rows_and_matmul_every_type(be, be_exact, qtype, arithmetic):
 
     W64 = W.astype(np.float64)
     A = _weight_magnitude(raw, qtype, m, k)
-    for n in (1, 3, 8, 9, 37):  # matvec up to 8 rows, tiles + cuBLAS above
+    for n in (1, 2, 3, 4, 8, 9, 37):  # matvec up to 8 rows, tiles + cuBLAS above
         # activations of mixed sizes, so that the runs of 32 get different scales
         x = rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, size=(n, k // 32)).repeat(32, 1)
         x = x.astype(np.float32)
@@ -338,6 +338,24 @@ def test_int8_qkv_rope_store(be, neox, n_rot, hdv, k):
 
 
 Q8DOT = sorted(layout.Q8DOT_TYPES)
+
+
+@pytest.mark.parametrize("qtype", Q8DOT, ids=[t.name for t in Q8DOT])
+def test_int8_matvec_rows_are_their_own(be, qtype):
+    """Each row of x gets the same bits whether it is multiplied alone (matvec_q8_n1) or
+    among 2, 3, 4, 5 or 8 rows (matvec_q8_2, _4 and matvec_q8): a sequence's decode step
+    in the server's batches is what it is alone, so its tokens are too."""
+    rng = np.random.default_rng(31 + int(qtype))
+    k, m = 2048, 77
+    raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
+    wt = be.weight("w", qtype, (k, m), raw)
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    alone = np.concatenate(
+        [be.to_host(be.matmul(be.from_host(x[i : i + 1]), wt)) for i in range(8)]
+    )
+    for n in (2, 3, 4, 5, 8):
+        y = be.to_host(be.matmul(be.from_host(x[:n]), wt))
+        np.testing.assert_array_equal(y, alone[:n], err_msg=f"{n} rows")
 
 
 @pytest.mark.parametrize("qtype", Q8DOT, ids=[t.name for t in Q8DOT])

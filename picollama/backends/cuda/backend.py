@@ -146,7 +146,7 @@ class _Kernels:
     __slots__ = (
         "matvec", "dequant", "dequant_h", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
         "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_cp",
-        "matvec_q8_rope_cp", "cp_geom",
+        "matvec_q8_rope_cp", "cp_geom", "matvec_q8_few",
     )  # fmt: skip
 
     def __init__(self, matvec, dequant, dequant_h, get_rows):
@@ -161,6 +161,8 @@ class _Kernels:
         # one token with the weights through shared memory (mmvq.cu's MVQ_CP), if built:
         # plain / gate+up, Q/K/V with RoPE, and their _CpGeom
         self.matvec_q8_cp = self.matvec_q8_rope_cp = self.cp_geom = None
+        # rows of x at most -> the int8 kernel for them (matvec_q8_2, _4; matvec_q8 for 8)
+        self.matvec_q8_few: dict[int, object] = {}
 
 
 @dataclass(frozen=True)
@@ -602,6 +604,11 @@ class CUDABackend(Backend):
                         kernels.matvec_q8_n1 = mod.get_function("matvec_q8_n1")
                         kernels.matvec_q8_wide = mod.get_function("matvec_q8_n1_wide")
                         kernels.matvec_q8_rope = mod.get_function("matvec_q8_n1_rope")
+                        kernels.matvec_q8_few = {
+                            2: mod.get_function("matvec_q8_2"),
+                            4: mod.get_function("matvec_q8_4"),
+                            MV_MAX_TOKENS: kernels.matvec_q8,
+                        }
                         # __launch_bounds__(MVQ_WARPS * 32) caps this at the block size
                         kernels.mvq_warps = kernels.matvec_q8_n1.max_threads_per_block // 32
                         try:  # built only where its blocks are the smaller (Q4_K, Q6_K)
@@ -624,7 +631,7 @@ class CUDABackend(Backend):
                     # x is staged in dynamic shared memory: allow more than 48 KiB
                     for kernel in (
                         kernels.matvec,
-                        kernels.matvec_q8,
+                        *kernels.matvec_q8_few.values(),
                         kernels.matvec_q8_n1,
                         kernels.matvec_q8_wide,
                         kernels.matvec_q8_rope,
@@ -1497,7 +1504,7 @@ class CUDABackend(Backend):
         has_resid = mv.resid is not None
         if mv.q8:
             if n > 1:
-                kernel = kernels.matvec_q8
+                kernel = kernels.matvec_q8_few[next(t for t in (2, 4, MV_MAX_TOKENS) if n <= t)]
             elif mv.rope is not None:
                 kernel = kernels.matvec_q8_rope
             else:

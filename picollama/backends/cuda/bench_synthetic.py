@@ -220,12 +220,16 @@ def _run_one(
     return result
 
 
-def stream_steps(path: str, levels: tuple[int, ...], n_steps: int = 32, prompt: int = 32) -> list:
+def stream_steps(
+    path: str, levels: tuple[int, ...], n_steps: int = 32, prompt: int = 32, profile=False
+) -> list:
     """Decode steps of N sequences at once (the server's batches: one token of each of N
     sequences, each in its own cache, through ``forward_step``), in process: for each N of
     ``levels``, (N, median ms a step, aggregate tokens/s, graph_stats after it). Each
     sequence first takes a prompt of ``prompt`` random tokens; the steps feed random tokens
-    (the step's cost does not depend on them); the first 4 steps of a level are warm-up."""
+    (the step's cost does not depend on them); the first 4 steps of a level are warm-up.
+    With ``profile``, each level's graph is also split by kernel (``profile_step``), last in
+    its tuple."""
     from picollama.backends.cuda.backend import CUDABackend
     from picollama.gguf import GGUFReader
     from picollama.models import load_model
@@ -249,7 +253,13 @@ def stream_steps(path: str, levels: tuple[int, ...], n_steps: int = 32, prompt: 
                 backend.forward_step(model, segs)
                 times.append(time.perf_counter() - t0)
             ms = float(np.median(times[4:])) * 1e3
-            out.append((n, ms, n / ms * 1e3, dict(backend.graph_stats)))
+            row = (n, ms, n / ms * 1e3, dict(backend.graph_stats))
+            if profile:
+                trace = next(
+                    (t for t in backend._traces.values() if t.params.n == n and t.graph), None
+                )
+                row += (profile_step(backend, trace=trace) if trace is not None else [],)
+            out.append(row)
             del caches
     return out
 
@@ -317,19 +327,24 @@ KERNEL_SHAPES = (  # (type, k, m, gate+up fused)
 )
 
 
-def profile_step(backend, reps: int = 20) -> list[tuple[str, int, float]]:
+def profile_step(backend, reps: int = 20, trace=None) -> list[tuple[str, int, float]]:
     """Where a decode step's GPU time goes, by leaving kernels out: the step's fused launches
     are captured into a graph whole and once without each kind of kernel; a kind's share is
     the whole graph's time minus the time of the graph without it (each timed over ``reps``
     replays; the outputs are garbage, the timing is not: no kernel's work depends on the
     values). Returns (kernel, launches per step, microseconds per step), largest first,
-    and ("graph", launches, whole step) first of all."""
+    and ("graph", launches, whole step) first of all. ``trace``: the step's recording
+    (default: the first recorded)."""
     from picollama.backends.cuda.backend import _Matvec
 
-    trace = next(t for t in backend._traces.values() if t.graph is not None)
+    if trace is None:
+        trace = next(t for t in backend._traces.values() if t.graph is not None)
     launches = backend._fuse(trace) if backend.fuse else trace.launches
     names = {id(getattr(backend, a)): a[3:] for a in dir(backend) if a.startswith("_k_")}
     names.update({id(k): f"attention_gqa_{d}_{g}" for (d, g), k in backend._k_att_gqa.items()})
+    names.update(
+        {id(k): f"attention_gqa_rows_{d}_{g}" for (d, g), k in backend._k_att_gqa_rows.items()}
+    )
 
     def name(launch) -> str:
         if not isinstance(launch, _Matvec):
@@ -726,11 +741,15 @@ def main(argv: list[str] | None = None) -> int:
         print("| --- | ---: | ---: | ---: | ---: |")
         for spec in args.models.split(","):
             path = _model_path(args.dir, spec)
-            rows = stream_steps(path, levels)
-            one = next((tps for n, _ms, tps, _st in rows if n == 1), None)
-            for n, ms, tps, _stats in rows:
+            rows = stream_steps(path, levels, profile=args.profile)
+            one = next((row[2] for row in rows if row[0] == 1), None)
+            for row in rows:
+                n, ms, tps = row[:3]
                 ratio = f"{tps / one:.2f}x" if one else "-"
                 print(f"| {spec} | {n} | {ms:.2f} | {tps:.0f} | {ratio} |", flush=True)
+            for row in rows if args.profile else ():
+                for kname, count, us in row[4]:
+                    print(f"  {row[0]} sequences: {us:8.1f} us  {count:4d} x  {kname}")
         return 0
 
     if args.run:

@@ -990,9 +990,19 @@ __device__ __forceinline__ void mvq_body(
         RopeArgs{rope_pos, rope_start, kc,   vc,         head_dim,   head_dim_v,              \
                  n_rot,    neox,       n_ctx, theta_scale, freq_scale}, pdl_at
 
-// n <= MV_MAX_TOKENS rows of x (short batches), and the decode case n = 1 (fewer registers)
+// n <= MV_MAX_TOKENS rows of x (short batches), n <= 2 and n <= 4 (fewer accumulators a
+// row: the server's decode steps of a few sequences), and the decode case n = 1 (fewer
+// registers). Each row of x gets the same float operations in all of them.
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8(MVQ_PARAMS) {
     mvq_body<MV_MAX_TOKENS, 1, false, MVQ_WARPS>(MVQ_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8_2(MVQ_PARAMS) {
+    mvq_body<2, 1, false, MVQ_WARPS>(MVQ_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8_4(MVQ_PARAMS) {
+    mvq_body<4, 1, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1(MVQ_PARAMS) {
