@@ -271,8 +271,11 @@ class _OpRecord:
 class _Trace:
     """A recorded decode step: its ops, their kernel launches and the captured graph."""
 
-    def __init__(self, first_weight, params: _Params):
+    def __init__(self, first_weight, params: _Params, cache=None):
         self.first_weight = first_weight
+        # one token: the cache its kernels write and read (a graph per cache), if known
+        self.cache = weakref.ref(cache) if cache is not None else _none
+        self.key = (id(first_weight), params.n, id(cache) if cache is not None else None)
         self.params = params  # the step's parameters (params.n tokens)
         self.ops: list[_OpRecord] = []
         self.launches: list = []  # _Launch or _Matvec, in order
@@ -524,6 +527,7 @@ class CUDABackend(Backend):
         self._params = self._params1  # the current step's
         self._params_n: dict[tuple[int, int], _Params] = {}
         self._multi = None  # forward_step's segments, one token each, while they run
+        self._step_cache = None  # forward_step's cache of a one-token step, while it runs
         self._readback_mem = None
         self._readback_size = 0
         self._workspace = None
@@ -535,7 +539,8 @@ class CUDABackend(Backend):
         self.whole_steps = bool(whole_steps)
         self._mode = _EAGER
         self._trace: _Trace | None = None
-        self._traces: dict[tuple[int, int], _Trace] = {}  # (id(first weight), tokens)
+        # (id(first weight), tokens, id(cache) of a one-token step) -> _Trace
+        self._traces: dict[tuple, _Trace] = {}
         self._op_i = 0
         self._launched = False
         self._step_pos: tuple | None = None
@@ -869,7 +874,7 @@ class CUDABackend(Backend):
         if (
             step is not None
             and step.clean >= _TRUST_AFTER
-            and self._traces.get((id(step.trace.first_weight), n)) is step.trace
+            and self._traces.get(step.trace.key) is step.trace
         ):
             return self._replay_whole(step.trace, segments)
         self._clean = None
@@ -890,10 +895,11 @@ class CUDABackend(Backend):
         """``model.forward_batch``, with several one-token segments known to ``_begin_step``
         (so that their step is recorded or replayed as a graph)."""
         self._multi = segments if len(segments) > 1 else None
+        self._step_cache = segments[0].cache if len(segments) == 1 else None
         try:
             return model.forward_batch(segments)
         finally:
-            self._multi = None
+            self._multi = self._step_cache = None
 
     def _replay_whole(self, trace: _Trace, segments: list) -> list[np.ndarray]:
         """One decode step from its graph: the logits (1 row per logit row) on the host."""
@@ -1004,14 +1010,20 @@ class CUDABackend(Backend):
         else:
             p.host_ids[0] = int(ids[0])
         self._step_pos = None
-        trace = self._traces.get((id(w), n))
-        if trace is not None and trace.graph is not None and trace.params is p:
+        cache = self._step_cache if n == 1 else None
+        trace = self._traces.get((id(w), n, id(cache) if cache is not None else None))
+        if (
+            trace is not None
+            and trace.graph is not None
+            and trace.params is p
+            and trace.cache() is cache  # not a new cache under a dead one's id
+        ):
             self._mode, self._trace = _REPLAY, trace
             self._op_i = 0
             self._launched = False
             self._step_t0 = time.perf_counter()
         else:
-            self._mode, self._trace = _RECORD, _Trace(w, p)
+            self._mode, self._trace = _RECORD, _Trace(w, p, cache)
             with self._stream:
                 self._upload_params()
 
@@ -1103,7 +1115,7 @@ class CUDABackend(Backend):
             self._upload_params()
             for launch in trace.launches[:n]:
                 launch.run()
-        self._traces.pop((id(trace.first_weight), trace.params.n), None)
+        self._traces.pop(trace.key, None)
         self.graph_stats["fallbacks"] += 1
         self._misses += 1
         if self._misses >= _MAX_GRAPH_MISSES:
@@ -1200,7 +1212,10 @@ class CUDABackend(Backend):
             trace.host_mem = host_mem
             host = np.frombuffer(host_mem, dtype=logits.dtype, count=logits.size)
             trace.host = host.reshape(logits.shape)
-        self._traces[(id(trace.first_weight), trace.params.n)] = trace
+        self._traces = {
+            k: t for k, t in self._traces.items() if t.cache is _none or t.cache() is not None
+        }
+        self._traces[trace.key] = trace
         self.graph_stats["recorded"] += 1
         self.graph_stats["kernels"] = trace.n_graph_kernels
 
