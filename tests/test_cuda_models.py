@@ -419,3 +419,58 @@ def test_python_api_on_cuda(model_file):
     out = llm.create_completion("Hello", max_tokens=8, temperature=0.0)
     assert out["usage"]["completion_tokens"] <= 8
     assert isinstance(out["choices"][0]["text"], str)
+
+
+def test_server_slots_on_cuda(model_file):
+    """The server's engine loop on CUDA, in process: four requests decoding together (one
+    token of each per step: the batched graphs) give each the tokens it gets alone; a
+    prompt whose prefix another slot holds copies those rows (``copy_kv``, on the backend's
+    stream: device caches have no prefix tree) and gives the tokens of a fresh prefill.
+
+    Every step here has at most 8 rows, so every product is the int8 matvec, whose rows
+    are their own whatever the batch (test_cuda_backend); prompt batches of more rows take
+    the fp16 GEMM, whose rounding differs (~1e-3), so on CUDA, unlike the CPU, a request's
+    tokens may depend on what it was batched with. The copied prefix's last token attends
+    through the one-token kernel instead of the prompt kernel: the same sums in another
+    order (~1e-6), which moves a greedy token only at a near-tie (odds ~1e-4 here).
+    Greedy sampling, ``ignore_eos`` so that every request runs its full length."""
+    from picollama.generation import Engine
+    from picollama.sampling.samplers import Sampler, SamplingParams
+    from picollama.server.scheduler import GenRequest, Scheduler
+
+    backend = _cuda()
+    engine = Engine(model_file, backend=backend)
+    sched = Scheduler(engine, 4, 64)
+    assert sched.tree is None  # device caches: prefixes come from the other slots
+
+    def submit(prompt, n=12, slot=-1):
+        sampler = Sampler(SamplingParams(temperature=0))
+        req = GenRequest(list(prompt), sampler, n, ignore_eos=True, id_slot=slot)
+        sched.submit([req])
+        return req
+
+    def collect(req):
+        tokens = []
+        while (ev := req.out.get(timeout=300)).kind == "token":
+            tokens.append(ev.token)
+        assert ev.kind == "done", ev.message
+        return tokens, ev.stats
+
+    prompts = [[256, 72], [101], [108, 111], [44]]
+    sched.start()
+    try:
+        lone = [collect(submit(p))[0] for p in prompts]
+        together = [collect(r)[0] for r in [submit(p) for p in prompts]]
+        # a fresh prefill on slot 3, then the same prompt on slot 1 from slot 3's rows
+        prompt = [7, 8, 9, 10, 11, 12]
+        collect(submit([1, 2], slot=1))  # slot 1 holds nothing of it
+        fresh, stats_fresh = collect(submit(prompt, slot=3))
+        copied, stats_copied = collect(submit(prompt, slot=1))
+    finally:
+        sched.stop()
+    assert together == lone, (together, lone)
+    assert all(len(t) == 12 for t in lone)
+    assert stats_fresh["prompt_cached"] == 0, stats_fresh
+    assert stats_copied["prompt_cached"] == len(prompt) - 1, stats_copied  # all but the last
+    assert copied == fresh, (copied, fresh)
+    assert backend.graph_stats["whole"] > 0, backend.graph_stats

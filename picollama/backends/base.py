@@ -179,6 +179,15 @@ class Backend(ABC):
     def store_kv(self, cache: KVCache, layer: int, k: Array, v: Array, start: int) -> None:
         """Write ``k``/``v`` (n_tokens, n_kv_heads, head_dim) at positions start, start+1, ..."""
 
+    def copy_kv(self, src: KVCache, dst: KVCache, start: int, end: int) -> None:
+        """Copy positions ``start .. end - 1`` of every layer from ``src`` to ``dst`` (a
+        prompt prefix another sequence has computed; same geometry). A backend whose
+        caches are not sliceable arrays, or that orders its work on a queue of its own,
+        overrides this."""
+        for layer in range(src.n_layers):
+            dst.k[layer][start:end] = src.k[layer][start:end]
+            dst.v[layer][start:end] = src.v[layer][start:end]
+
     @abstractmethod
     def attention(
         self,

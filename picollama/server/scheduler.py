@@ -363,9 +363,7 @@ class Scheduler:
             return n_have  # ring-buffer (sliding-window) layers: positions don't line up
         if not all(hasattr(type(a), "__setitem__") for a in dst.k + dst.v):
             return n_have  # device buffers without slice assignment (OpenCL)
-        for layer in range(src.n_layers):
-            dst.k[layer][n_have:n_best] = src.k[layer][n_have:n_best]
-            dst.v[layer][n_have:n_best] = src.v[layer][n_have:n_best]
+        slot.ctx.model.backend.copy_kv(src, dst, n_have, n_best)
         return n_best
 
     def _remember(self, s: Slot) -> None:

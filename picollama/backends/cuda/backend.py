@@ -1899,6 +1899,13 @@ class CUDABackend(Backend):
                 self._launch(self._k_comb, (n_heads, n), (128,), args)
         return out
 
+    def copy_kv(self, src: KVCache, dst: KVCache, start: int, end: int) -> None:
+        """On the backend's stream: a copy on CuPy's default stream would not be ordered
+        with the kernels (ours is non-blocking), so the next step could read the rows
+        before they arrive."""
+        with self._stream:
+            super().copy_kv(src, dst, start, end)
+
     def attend_batch(self, batch, layer, q, k, v, scale, window=0, softcap=0.0):
         """One token of each of several sequences (the server's decode step): every k/v row
         into its cache in one launch (``store_kv_rows``) and the rows' attention in another
