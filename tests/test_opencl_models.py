@@ -226,3 +226,45 @@ def test_gemma3_greedy_matches_cpu(ocl, gemma3_path):
     with GGUFReader(gemma3_path) as reader:
         prompt = Tokenizer.from_gguf(reader).encode("The capital of France is", parse_special=True)
     _check_greedy(ocl, gemma3_path, prompt, 32, _LOGIT_RTOL["real"])
+
+
+def test_server_prefix_from_another_slot(ocl, model_file):
+    """The server's engine loop on OpenCL, in process: device caches have no prefix tree,
+    so a prompt whose prefix another slot holds copies those rows buffer to buffer
+    (``copy_kv``): the rows arrive bit for bit, the prompt counts as cached but for its
+    last token, and the greedy tokens are those of a fresh prefill (the last prompt token
+    then attends through the one-token path instead of the prompt's: the same sums in
+    another order, ~1e-6, which moves a greedy token only at a near-tie)."""
+    from picollama.generation import Engine
+    from picollama.sampling.samplers import Sampler, SamplingParams
+    from picollama.server.scheduler import GenRequest, Scheduler
+
+    engine = Engine(model_file, backend=ocl)
+    sched = Scheduler(engine, 2, 64)
+    assert sched.tree is None
+
+    def run(prompt, slot):
+        sampler = Sampler(SamplingParams(temperature=0))
+        req = GenRequest(list(prompt), sampler, 8, ignore_eos=True, id_slot=slot)
+        sched.submit([req])
+        tokens = []
+        while (ev := req.out.get(timeout=300)).kind == "token":
+            tokens.append(ev.token)
+        assert ev.kind == "done", ev.message
+        return tokens, ev.stats
+
+    prompt = PROMPT[:12]
+    sched.start()
+    try:
+        run([1, 2], 0)  # slot 0 holds nothing of the prompt
+        fresh, stats_fresh = run(prompt, 1)
+        copied, stats_copied = run(prompt, 0)
+    finally:
+        sched.stop()
+    assert stats_fresh["prompt_cached"] == 0, stats_fresh
+    assert stats_copied["prompt_cached"] == len(prompt) - 1, stats_copied
+    assert copied == fresh
+    c0, c1 = sched.slots[0].ctx.cache, sched.slots[1].ctx.cache
+    for layer in range(c0.n_layers):
+        for a, b in ((c0.k[layer], c1.k[layer]), (c0.v[layer], c1.v[layer])):
+            np.testing.assert_array_equal(ocl.to_host(a)[:11], ocl.to_host(b)[:11])

@@ -361,8 +361,6 @@ class Scheduler:
             a.shape[0] != dst.n_ctx for a in dst.k
         ):
             return n_have  # ring-buffer (sliding-window) layers: positions don't line up
-        if not all(hasattr(type(a), "__setitem__") for a in dst.k + dst.v):
-            return n_have  # device buffers without slice assignment (OpenCL)
         slot.ctx.model.backend.copy_kv(src, dst, n_have, n_best)
         return n_best
 

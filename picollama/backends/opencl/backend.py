@@ -516,6 +516,32 @@ class OpenCLBackend(Backend):
         )
         return out
 
+    def copy_kv(self, src: KVCache, dst: KVCache, start: int, end: int) -> None:
+        """Buffer to buffer on the (in-order) queue, a layer's k and v rows at a time."""
+        if (src.n_layers, src.n_ctx, src.n_kv_heads, src.head_dim_k, src.head_dim_v) != (
+            dst.n_layers,
+            dst.n_ctx,
+            dst.n_kv_heads,
+            dst.head_dim_k,
+            dst.head_dim_v,
+        ):
+            raise BackendError("copy_kv: the two KV caches differ in shape")
+        if not 0 <= start <= end <= src.n_ctx:
+            raise BackendError(f"copy_kv: positions {start}..{end} of {src.n_ctx}")
+        if end == start:
+            return
+        for layer in range(src.n_layers):
+            for a, b in ((src.k[layer], dst.k[layer]), (src.v[layer], dst.v[layer])):
+                row = a.nbytes // a.shape[0]
+                self.cl.enqueue_copy(
+                    self.queue,
+                    b.buf,
+                    a.buf,
+                    byte_count=(end - start) * row,
+                    src_offset=a.offset * a.itemsize + start * row,
+                    dst_offset=b.offset * b.itemsize + start * row,
+                )
+
     def store_kv(self, cache: KVCache, layer: int, k: CLArray, v: CLArray, start: int) -> None:
         n = k.shape[0]
         if start + n > cache.n_ctx:
