@@ -33,11 +33,18 @@ position are copied to the device and the whole graph is launched, so the GPU ru
 Python walks through the rest of the model. ``to_host`` then reads back the logits. If an
 op does not match (another cache, another shape), the step falls back to eager execution
 from that op on, after computing the ops matched so far with their recorded launches.
+A one-token step run through ``forward_step`` has a graph per cache (slots that decode
+alone in turn each keep theirs). Steps of one token of each of 2 to ``MV_MAX_TOKENS``
+sequences (the server's batches) are graphs too, one per number of sequences and cache
+size: their parameters (``_Params``) are the token ids, the positions and a table of the
+caches' device pointers, and ``attend_batch`` writes and attends all rows in one launch
+each, so one graph serves any set of caches.
 
 Whole steps. Walking the model's ops costs Python time (about 1.5 us an op) even when
 every op only hands back a buffer, which bounds small models. So ``forward_step`` (the
 optional hook of the op interface that ``BaseModel.forward`` calls) keys single-token steps
-on (model, cache, logit rows): once such a step has replayed its graph op by op, matching
+on (model, cache, logit rows), and batched ones on (model, sequences, cache size): once
+such a step has replayed its graph op by op, matching
 the recording to the end, ``_TRUST_AFTER`` times at other positions, later steps with that
 key skip the model's Python entirely: token id and position go to the device, the graph is
 launched and the logits are read back. The contract this relies on is the one the graphs
