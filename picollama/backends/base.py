@@ -89,6 +89,12 @@ class KVCache:
     def n_layers(self) -> int:
         return len(self.k)
 
+    @property
+    def geometry(self) -> tuple[int, int, int, int, int]:
+        """(n_layers, n_ctx, n_kv_heads, head_dim_k, head_dim_v): what two caches must share
+        for rows to be copied between them or for one kernel launch to serve both."""
+        return (self.n_layers, self.n_ctx, self.n_kv_heads, self.head_dim_k, self.head_dim_v)
+
 
 class Backend(ABC):
     """A device and its ops. Subclasses register themselves in ``BACKENDS`` by name."""

@@ -318,11 +318,6 @@ def _none():
     return None
 
 
-def _cache_shape(cache: KVCache) -> tuple:
-    """What a step's kernels take from a cache besides its memory (launch sizes, strides)."""
-    return (cache.n_ctx, cache.n_kv_heads, cache.head_dim_k, cache.head_dim_v, cache.n_layers)
-
-
 class _Params:
     """A decode step's parameters on the device, copied up from pinned memory by the first
     node of its graph: the positions of its ``n`` tokens, their ids, then (n > 1) the
@@ -869,8 +864,8 @@ class CUDABackend(Backend):
             rows_key = None if rows is None else tuple(np.asarray(rows).reshape(-1).tolist())
             key, cache = (id(model), id(seg.cache), rows_key), seg.cache
         else:
-            shape = _cache_shape(seg.cache)
-            if any(s.logit_rows is not None or _cache_shape(s.cache) != shape for s in segments):
+            shape = seg.cache.geometry
+            if any(s.logit_rows is not None or s.cache.geometry != shape for s in segments):
                 return model.forward_batch(segments)  # eager
             key, cache = (id(model), n, shape), None
         if not self.whole_steps:
@@ -1923,13 +1918,13 @@ class CUDABackend(Backend):
         segs = batch.segments
         n = len(segs)
         c0 = segs[0].cache
-        shape = _cache_shape(c0)
+        shape = c0.geometry
         kernel = self._gqa_kernel(q.shape[1], c0, rows=True) if q.ndim == 3 else None
         if (
             n < 2
             or len(batch) != n
             or kernel is None
-            or any(_cache_shape(s.cache) != shape for s in segs)
+            or any(s.cache.geometry != shape for s in segs)
         ):
             return super().attend_batch(batch, layer, q, k, v, scale, window, softcap)
         for seg in segs:

@@ -518,13 +518,7 @@ class OpenCLBackend(Backend):
 
     def copy_kv(self, src: KVCache, dst: KVCache, start: int, end: int) -> None:
         """Buffer to buffer on the (in-order) queue, a layer's k and v rows at a time."""
-        if (src.n_layers, src.n_ctx, src.n_kv_heads, src.head_dim_k, src.head_dim_v) != (
-            dst.n_layers,
-            dst.n_ctx,
-            dst.n_kv_heads,
-            dst.head_dim_k,
-            dst.head_dim_v,
-        ):
+        if src.geometry != dst.geometry:
             raise BackendError("copy_kv: the two KV caches differ in shape")
         if not 0 <= start <= end <= src.n_ctx:
             raise BackendError(f"copy_kv: positions {start}..{end} of {src.n_ctx}")
