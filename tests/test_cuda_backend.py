@@ -321,8 +321,9 @@ def test_int8_qkv_rope_store(be, neox, n_rot, hdv, k):
     mv.weights += [weights[1].data, weights[2].data]
     mv.ys += ys[1:]
     dev_pos = be._upload_i32(positions)
+    table = be._cache_table([caches[1]])[1][0]  # the layer's (2, 1) cache pointers
     mv.rope = _RopeStore(
-        dev_pos, dev_pos, caches[1].k[0], caches[1].v[0], hd, hdv, n_rot, neox, n_ctx,
+        dev_pos, dev_pos, table[0], table[1], hd, hdv, n_rot, neox, n_ctx,
         theta_scale, np.float32(scale),
     )  # fmt: skip
     staged = be._quant_kernels(GGMLType.Q4_K).matvec_q8_cp is not None

@@ -21,30 +21,31 @@ Attention is flash-attention style (``ops.cu``): no score matrix, an online soft
 tiles of 32 keys. One token with head_dim 64, 128 or 256 and groups of at most 8 query heads
 per KV head takes ``attention_gqa_*``: a block per (KV head, split) does the whole group, so
 K and V are read once, and the valid key range is split from the device-side position.
+One-token kernels find their cache through a device table of pointers (``_cache_table``),
+so that a decode graph is not tied to one cache.
 
-Decode as a CUDA graph. A forward pass of one token runs the same kernels with the same
-buffers every time; only the token id and the position change. The first such pass is run
-eagerly while every op and kernel launch is recorded (the kernels read the token id and the
-position from a small device buffer); at its end the launches are captured into a CUDA
-graph. On later passes each op only checks that it matches the recording (same op, same
-weight, same cache, same shapes, its inputs the recorded buffers) and hands back the
-recorded output buffer; once the first ``store_kv`` has named the cache, the id and
-position are copied to the device and the whole graph is launched, so the GPU runs while
-Python walks through the rest of the model. ``to_host`` then reads back the logits. If an
-op does not match (another cache, another shape), the step falls back to eager execution
-from that op on, after computing the ops matched so far with their recorded launches.
-A one-token step run through ``forward_step`` has a graph per cache (slots that decode
-alone in turn each keep theirs). Steps of one token of each of 2 to ``MV_MAX_TOKENS``
-sequences (the server's batches) are graphs too, one per number of sequences and cache
-size: their parameters (``_Params``) are the token ids, the positions and a table of the
-caches' device pointers, and ``attend_batch`` writes and attends all rows in one launch
-each, so one graph serves any set of caches.
+Decode as a CUDA graph. A forward pass of one token of each of 1 to ``MV_MAX_TOKENS``
+sequences (a lone decode, or the server's batch), run through ``forward_step``, runs the same
+kernels with the same buffers every time; only the token ids, the positions and the caches
+change. Those are the step's parameters (``_Params``: ids, positions and a table of the
+caches' device pointers), which the kernels read from device memory. The first such pass is
+run eagerly while every op and kernel launch is recorded; at its end the launches are
+captured into a CUDA graph, one per (model, number of sequences, cache geometry), which
+serves any caches of that geometry. On later passes each op only checks that it matches the
+recording (same op, same weight, same shapes, its inputs the recorded buffers, the step's
+own caches) and hands back the recorded output buffer; once the first ``store_kv`` (or
+``attend_batch``) has fixed the positions, the parameters are copied to the device and the
+whole graph is launched, so the GPU runs while Python walks through the rest of the model.
+``to_host`` then reads back the logits. If an op does not match (another cache, another
+shape), the step falls back to eager execution from that op on, after computing the ops
+matched so far with their recorded launches. ``attend_batch`` writes and attends all of a
+batch's rows in one launch each.
 
 Whole steps. Walking the model's ops costs Python time (about 1.5 us an op) even when
 every op only hands back a buffer, which bounds small models. So ``forward_step`` (the
 optional hook of the op interface that ``BaseModel.forward`` calls) keys single-token steps
-on (model, cache, logit rows), and batched ones on (model, sequences, cache size): once
-such a step has replayed its graph op by op, matching
+on (model, cache geometry, logit rows), and batched ones on (model, sequences, cache
+geometry): once such a step has replayed its graph op by op, matching
 the recording to the end, ``_TRUST_AFTER`` times at other positions, later steps with that
 key skip the model's Python entirely: token id and position go to the device, the graph is
 launched and the logits are read back. The contract this relies on is the one the graphs
@@ -101,7 +102,7 @@ _MEM_MARGIN = 64 << 20  # bytes kept free for cuBLAS, the CUDA context and small
 _EW_THREADS = 256  # threads per block of the elementwise kernels
 _MAX_CACHE_TABLES = 256  # sets of caches whose pointer tables are kept (attend_batch)
 _MAX_GRAPH_MISSES = 4  # divergent replays before graphs are turned off
-_TRUST_AFTER = 2  # clean op-by-op replays of a (model, cache) step before whole-step replay
+_TRUST_AFTER = 2  # clean op-by-op replays of a step's key before whole-step replay
 ARITHMETICS = ("ggml", "exact")
 
 # cuBLAS's enum values (cublas_api.h, library_types.h), for cublasGemmEx
@@ -252,8 +253,8 @@ class _RopeStore:
 
     pos: object  # device int32: the token's position
     start: object  # device int32: the cache row written
-    kc: object  # the layer's fp16 caches
-    vc: object
+    kcs: object  # device uint64 (1,): the layer's fp16 caches (the step's parameters)
+    vcs: object
     head_dim: int
     head_dim_v: int
     n_rot: int
@@ -278,11 +279,9 @@ class _OpRecord:
 class _Trace:
     """A recorded decode step: its ops, their kernel launches and the captured graph."""
 
-    def __init__(self, first_weight, params: _Params, cache=None):
+    def __init__(self, first_weight, params: _Params, geometry: tuple):
         self.first_weight = first_weight
-        # one token: the cache its kernels write and read (a graph per cache), if known
-        self.cache = weakref.ref(cache) if cache is not None else _none
-        self.key = (id(first_weight), params.n, id(cache) if cache is not None else None)
+        self.key = (id(first_weight), params.n, geometry)  # geometry: of the step's caches
         self.params = params  # the step's parameters (params.n tokens)
         self.ops: list[_OpRecord] = []
         self.launches: list = []  # _Launch or _Matvec, in order
@@ -297,44 +296,38 @@ class _Trace:
 
 
 class _Step:
-    """A (model, cache, logit rows) single-token step, or a step of one token of each of
-    several sequences (``cache`` None: the caches are the step's parameters), and how often
-    its graph replayed cleanly op by op; after ``_TRUST_AFTER`` such replays it is replayed
-    whole."""
+    """A decode step of one token of each of 1 to ``MV_MAX_TOKENS`` sequences of a model
+    (the caches are the step's parameters), and how often its graph replayed cleanly op by
+    op; after ``_TRUST_AFTER`` such replays it is replayed whole."""
 
-    __slots__ = ("model", "cache", "trace", "clean")
+    __slots__ = ("model", "trace", "clean")
 
-    def __init__(self, model, cache, trace):
+    def __init__(self, model, trace):
         self.model = weakref.ref(model)
-        self.cache = weakref.ref(cache) if cache is not None else _none
         self.trace = trace
         self.clean = 0
 
     def alive(self) -> bool:
-        return self.model() is not None and (self.cache is _none or self.cache() is not None)
-
-
-def _none():
-    return None
+        return self.model() is not None
 
 
 class _Params:
     """A decode step's parameters on the device, copied up from pinned memory by the first
-    node of its graph: the positions of its ``n`` tokens, their ids, then (n > 1) the
-    caches' pointer table, uint64 (n_layers, 2 (k, v), n), so that one graph serves any
-    set of caches (``attend_batch``). For one token: 8 bytes, position then id."""
+    node of its graph: the positions of its ``n`` tokens (one of each of n sequences), their
+    ids, then the caches' pointer table, uint64 (n_layers, 2 (k, v), n), so that one graph
+    serves any caches of its geometry."""
 
     def __init__(self, cp, n: int, n_layers: int):
         self.n = n
         n_i32 = 2 * n + (2 * n) % 4  # the table starts 16-byte aligned
-        n_table = n_layers * 2 * n if n > 1 else 0
+        n_table = n_layers * 2 * n
         self.nbytes = 4 * n_i32 + 8 * n_table
         self.mem = cp.cuda.alloc_pinned_memory(self.nbytes)
         self.host_pos = np.frombuffer(self.mem, dtype=np.int32, count=n)
         self.host_ids = np.frombuffer(self.mem, dtype=np.int32, count=n, offset=4 * n)
         self.host_table = np.frombuffer(
             self.mem, dtype=np.uint64, count=n_table, offset=4 * n_i32
-        ).reshape(n_layers if n > 1 else 0, 2, n)
+        ).reshape(n_layers, 2, n)
         self.dev = cp.zeros(self.nbytes, dtype=cp.uint8)
         self.pos = self.dev[: 4 * n].view(cp.int32)
         self.ids = self.dev[4 * n : 8 * n].view(cp.int32)
@@ -502,11 +495,6 @@ class CUDABackend(Backend):
                     for dpl in (2, 4, 8)
                     for gb in (1, 2, 4, 8)
                 }
-                self._k_att_gqa_rows = {
-                    (dpl, gb): self._ops.get_function(f"attention_gqa_rows_{dpl}_{gb}")
-                    for dpl in (2, 4, 8)
-                    for gb in (1, 2, 4, 8)
-                }
                 self._k_store_rows = self._ops.get_function("store_kv_rows")
                 self._k_add = self._ops.get_function("add")
                 self._k_mul = self._ops.get_function("mul")
@@ -520,16 +508,12 @@ class CUDABackend(Backend):
                 # cuBLAS's alpha and beta for the float32 GEMM, read from the device (the
                 # fp16 GEMM's come from to_half_scaled)
                 self._gemm_scal = cp.asarray(np.array([1.0, 0.0], dtype=np.float32))
-                # a decode step's position and token id; several sequences' steps have
-                # their own (_params_for)
-                self._params1 = _Params(cp, 1, 0)
         except cp.cuda.compiler.CompileException as err:
             raise BackendError(f"the CUDA kernels did not compile: {err}") from None
         self._quant_mods: dict[GGMLType, _Kernels] = {}
-        self._params = self._params1  # the current step's
-        self._params_n: dict[tuple[int, int], _Params] = {}
+        self._params: _Params | None = None  # the current decode step's
+        self._params_n: dict[tuple[int, int], _Params] = {}  # (tokens, layers) -> _Params
         self._multi = None  # forward_step's segments, one token each, while they run
-        self._step_cache = None  # forward_step's cache of a one-token step, while it runs
         self._readback_mem = None
         self._readback_size = 0
         self._workspace = None
@@ -541,13 +525,14 @@ class CUDABackend(Backend):
         self.whole_steps = bool(whole_steps)
         self._mode = _EAGER
         self._trace: _Trace | None = None
-        # (id(first weight), tokens, id(cache) of a one-token step) -> _Trace
+        # (id(first weight), tokens, cache geometry) -> _Trace
         self._traces: dict[tuple, _Trace] = {}
         self._op_i = 0
         self._launched = False
-        self._step_pos: tuple | None = None
+        self._step_pos: tuple | None = None  # a decode step's positions and caches
+        self._step_caches: list = []
         self._misses = 0
-        # whole-step replay: (id(model), id(cache), logit rows) -> _Step
+        # whole-step replay: (id(model), tokens, cache geometry, logit rows) -> _Step
         self._steps: dict[tuple, _Step] = {}
         self._n_launches = 0  # kernel launches and device copies so far (eager or recorded)
         self._clean = None  # (trace, host logits, launches) of a step replayed to the end
@@ -573,7 +558,6 @@ class CUDABackend(Backend):
         if self._pdl is not None:
             self._pdl.stream = self._stream.ptr
             self._pdl.kernels = {id(k) for k in self._k_att_gqa.values()}
-            self._pdl.kernels.update(id(k) for k in self._k_att_gqa_rows.values())
             self._pdl.kernels.add(id(self._k_rope_store))
         self.graph_stats["dependent_launch"] = self._pdl is not None
         # decode graphs begin with the copy of token id and position to the device and end
@@ -841,15 +825,14 @@ class CUDABackend(Backend):
     def forward_step(self, model, segments: list) -> list[np.ndarray]:
         """``model.forward_batch(segments)``, or the replay of a proven decode step.
 
-        A single segment of one token is keyed on (model, cache, logit rows); one token of
-        each of 2 to ``MV_MAX_TOKENS`` sequences (the server's batches) on (model, number of
-        sequences, the caches' sizes), whatever the caches, whose device pointers are the
-        step's parameters. Such a step runs through the model (recording, or replaying the
-        graph op by op with every check); when a pass matched its recording to the end and
-        nothing ran after the logits' read-back, the key counts one clean replay. After
-        ``_TRUST_AFTER`` of them, steps of that key only set the token ids, positions (and
-        caches), launch the graph and read back the logits (see the module doc for the
-        contract).
+        One token of each of 1 to ``MV_MAX_TOKENS`` sequences (a lone decode, the server's
+        batches) is keyed on (model, number of sequences, the caches' geometry, logit rows),
+        whatever the caches, whose device pointers are the step's parameters. Such a step
+        runs through the model (recording, or replaying the graph op by op with every
+        check); when a pass matched its recording to the end and nothing ran after the
+        logits' read-back, the key counts one clean replay. After ``_TRUST_AFTER`` of them,
+        steps of that key only set the token ids, positions and caches, launch the graph
+        and read back the logits (see the module doc for the contract).
         """
         n = len(segments)
         if (
@@ -859,20 +842,18 @@ class CUDABackend(Backend):
         ):
             return model.forward_batch(segments)
         seg = segments[0]
-        if n == 1:
-            rows = seg.logit_rows
-            rows_key = None if rows is None else tuple(np.asarray(rows).reshape(-1).tolist())
-            key, cache = (id(model), id(seg.cache), rows_key), seg.cache
-        else:
-            shape = seg.cache.geometry
-            if any(s.logit_rows is not None or s.cache.geometry != shape for s in segments):
-                return model.forward_batch(segments)  # eager
-            key, cache = (id(model), n, shape), None
+        shape = seg.cache.geometry
+        rows_key = None
+        if n == 1 and seg.logit_rows is not None:
+            rows_key = tuple(np.asarray(seg.logit_rows).reshape(-1).tolist())
+        elif any(s.logit_rows is not None or s.cache.geometry != shape for s in segments):
+            return model.forward_batch(segments)  # eager
+        key = (id(model), n, shape, rows_key)
         if not self.whole_steps:
             return self._forward_traced(model, segments)
         step = self._steps.get(key)
-        if step is not None and (step.model() is not model or step.cache() is not cache):
-            step = None  # ids reused by new objects
+        if step is not None and step.model() is not model:
+            step = None  # an id reused by a new model
         if (
             step is not None
             and step.clean >= _TRUST_AFTER
@@ -889,19 +870,18 @@ class CUDABackend(Backend):
             return out  # the model did more than return the read-back logits
         if step is None or step.trace is not trace:
             self._steps = {k: v for k, v in self._steps.items() if v.alive()}
-            step = self._steps[key] = _Step(model, cache, trace)
+            step = self._steps[key] = _Step(model, trace)
         step.clean += 1
         return out
 
     def _forward_traced(self, model, segments: list) -> list[np.ndarray]:
-        """``model.forward_batch``, with several one-token segments known to ``_begin_step``
-        (so that their step is recorded or replayed as a graph)."""
-        self._multi = segments if len(segments) > 1 else None
-        self._step_cache = segments[0].cache if len(segments) == 1 else None
+        """``model.forward_batch``, with its one-token segments known to ``_begin_step`` (so
+        that their step is recorded or replayed as a graph)."""
+        self._multi = segments
         try:
             return model.forward_batch(segments)
         finally:
-            self._multi = self._step_cache = None
+            self._multi = None
 
     def _replay_whole(self, trace: _Trace, segments: list) -> list[np.ndarray]:
         """One decode step from its graph: the logits (1 row per logit row) on the host."""
@@ -930,18 +910,12 @@ class CUDABackend(Backend):
         return [host] if p.n == 1 else [host[i : i + 1] for i in range(p.n)]
 
     def _set_params(self, p: _Params, segments: list) -> None:
-        """Token ids, positions and (several sequences) cache pointers of a decode step."""
-        if p.n == 1:
-            p.host_pos[0] = int(segments[0].start)
-            p.host_ids[0] = int(segments[0].tokens[0])
-            return
+        """Token ids, positions and cache pointers of a decode step."""
         p.host_pos[:] = [seg.start for seg in segments]
         p.host_ids[:] = [int(seg.tokens[0]) for seg in segments]
         p.host_table[...] = self._cache_table([seg.cache for seg in segments])[0]
 
     def _params_for(self, n: int, n_layers: int) -> _Params:
-        if n == 1:
-            return self._params1
         p = self._params_n.get((n, n_layers))
         if p is None:
             with self._stream:
@@ -1004,28 +978,21 @@ class CUDABackend(Backend):
         self._dev_pos_src = None
         self._dev_starts = {}
         n, multi = len(ids), self._multi
-        if not (self.graphs and (n == 1 or (multi is not None and len(multi) == n))):
-            return
-        p = self._params = self._params_for(n, multi[0].cache.n_layers if n > 1 else 0)
-        if n > 1:
-            self._set_params(p, multi)
-        else:
-            p.host_ids[0] = int(ids[0])
-        self._step_pos = None
-        cache = self._step_cache if n == 1 else None
-        trace = self._traces.get((id(w), n, id(cache) if cache is not None else None))
-        if (
-            trace is not None
-            and trace.graph is not None
-            and trace.params is p
-            and trace.cache() is cache  # not a new cache under a dead one's id
-        ):
+        if not (self.graphs and multi is not None and len(multi) == n):
+            return  # graphs are for forward_step's decode steps
+        cache = multi[0].cache
+        p = self._params = self._params_for(n, cache.n_layers)
+        self._set_params(p, multi)
+        self._step_pos = tuple(int(seg.start) for seg in multi)
+        self._step_caches = [seg.cache for seg in multi]
+        trace = self._traces.get((id(w), n, cache.geometry))
+        if trace is not None and trace.graph is not None and trace.params is p:
             self._mode, self._trace = _REPLAY, trace
             self._op_i = 0
             self._launched = False
             self._step_t0 = time.perf_counter()
         else:
-            self._mode, self._trace = _RECORD, _Trace(w, p, cache)
+            self._mode, self._trace = _RECORD, _Trace(w, p, cache.geometry)
             with self._stream:
                 self._upload_params()
 
@@ -1039,21 +1006,20 @@ class CUDABackend(Backend):
         """Stop recording this step (it runs on eagerly; nothing is captured)."""
         self._mode, self._trace = _EAGER, None
 
-    def _bind_positions(self, positions) -> None:
-        """The step's positions (from rope, store_kv, attention or attend_batch), one per
-        token; one set per decode step. Others leave the graph: the step goes on eagerly."""
-        key = tuple(int(p) for p in positions)
-        if self._step_pos is None and len(key) == self._params.n:
-            self._step_pos = key
-            self._params.host_pos[:] = key
-            if self._mode == _RECORD:
-                with self._stream:
-                    self._upload_params()
-        elif key != self._step_pos:
-            if self._mode == _RECORD:
-                self._abort_record()
-            else:
-                self._diverge()
+    def _bind_positions(self, positions, caches=None) -> None:
+        """Check the positions (rope, store_kv, attention, attend_batch: one per token) and
+        the caches an op is given against the step's parameters. An op of others leaves the
+        graph: the step goes on eagerly."""
+        mine = self._step_caches
+        if tuple(int(p) for p in positions) == self._step_pos and (
+            caches is None
+            or (len(caches) == len(mine) and all(a is b for a, b in zip(caches, mine, strict=True)))
+        ):
+            return
+        if self._mode == _RECORD:
+            self._abort_record()
+        else:
+            self._diverge()
 
     def _dispatch(self, key, inputs, run):
         """Run an op, record it, or hand back its recorded output (see the module doc)."""
@@ -1214,9 +1180,6 @@ class CUDABackend(Backend):
             trace.host_mem = host_mem
             host = np.frombuffer(host_mem, dtype=logits.dtype, count=logits.size)
             trace.host = host.reshape(logits.shape)
-        self._traces = {
-            k: t for k, t in self._traces.items() if t.cache is _none or t.cache() is not None
-        }
         self._traces[trace.key] = trace
         self.graph_stats["recorded"] += 1
         self.graph_stats["kernels"] = trace.n_graph_kernels
@@ -1394,10 +1357,10 @@ class CUDABackend(Backend):
             if len(stores) != 1:
                 continue
             s_ = stores[0]
-            st = only(s_, self._k_store)
+            st = only(s_, self._k_store_rows)
             if st is None:
                 continue
-            k_st, v, kc, vc, start, n, kdim, vdim, n_ctx = st.args
+            k_st, v, kcs, vcs, start, n, kdim, vdim, n_ctx = st.args
             if not same(k_st, k_out) or not same(v, mv.ys[2]) or int(n) != 1:
                 continue
             m_q, m_k, m_v = (dw.m for dw in mv.weights)
@@ -1413,7 +1376,7 @@ class CUDABackend(Backend):
                 continue
             mv.ys = [q_out, k_out, mv.ys[2]]
             mv.rope = _RopeStore(
-                pos, start, kc, vc, hd, m_v // n_kv_i, int(n_rot), bool(int(neox)),
+                pos, start, kcs, vcs, hd, m_v // n_kv_i, int(n_rot), bool(int(neox)),
                 int(n_ctx), np.float32(theta_scale), np.float32(freq_scale),
             )  # fmt: skip
             dropped.update((bounds[iq], bounds[ik], bounds[s_]))
@@ -1436,10 +1399,10 @@ class CUDABackend(Backend):
             if len(stores) != 1:
                 continue
             s_ = stores[0]
-            st = only(s_, self._k_store)
+            st = only(s_, self._k_store_rows)
             if st is None:
                 continue
-            k_st, v, kc, vc, start, n, kdim, vdim, n_ctx = st.args
+            k_st, v, kcs, vcs, start, n, kdim, vdim, n_ctx = st.args
             n_tok, n_kv_i, hd = int(rq.grid[0]), int(n_kv), int(head_dim)
             if not same(k_st, k_out) or int(n) != n_tok or int(kdim) != n_kv_i * hd:
                 continue
@@ -1451,7 +1414,7 @@ class CUDABackend(Backend):
             widest = max(int(n_rot) // 2, hdv, hd - int(n_rot))
             threads = min(256, max(32, (widest + 31) // 32 * 32))
             args = (
-                q_in, k_in, v, q_out, k_out, kc, vc, pos, start, n_heads, n_kv, head_dim,
+                q_in, k_in, v, q_out, k_out, kcs, vcs, pos, start, n_heads, n_kv, head_dim,
                 np.int32(hdv), n_rot, theta_scale, freq_scale, neox, n_ctx,
             )  # fmt: skip
             grid = (n_tok, int(n_heads) + 2 * n_kv_i)
@@ -1551,7 +1514,7 @@ class CUDABackend(Backend):
             if rs is None:  # the kernel reads none of these
                 args += [mv.x, mv.x, mv.x, mv.x] + [np.int32(0)] * 5 + [np.float32(0)] * 2
             else:
-                args += [rs.pos, rs.start, rs.kc, rs.vc, np.int32(rs.head_dim)]
+                args += [rs.pos, rs.start, rs.kcs, rs.vcs, np.int32(rs.head_dim)]
                 args += [np.int32(rs.head_dim_v), np.int32(rs.n_rot), np.int32(rs.neox)]
                 args += [np.int32(rs.n_ctx), np.float32(rs.theta_scale)]
                 args += [np.float32(rs.freq_scale)]
@@ -1790,16 +1753,20 @@ class CUDABackend(Backend):
         n = k.shape[0]
         if start + n > cache.n_ctx:
             raise BackendError(f"KV cache of {cache.n_ctx} positions overflows at {start + n}")
+        if self._mode != _EAGER:
+            self._bind_positions((start,), (cache,))
         if self._mode == _EAGER:
             self._store_kv(cache, layer, k, v, start)
             return
-        self._bind_positions((start,))
-        if self._mode == _EAGER:
-            self._store_kv(cache, layer, k, v, start)
-            return
-        self._trace_ref(cache)
-        key = ("store_kv", id(cache), layer, k.shape, v.shape)
-        self._dispatch(key, (k, v), lambda: self._store_kv(cache, layer, k, v, start))
+        # a decode graph: the cache is the step's parameter (one graph for all caches)
+        key = ("store_kv", layer, k.shape, v.shape)
+        self._dispatch(
+            key,
+            (k, v),
+            lambda: self._store_rows(
+                k, v, cache, self._kv_table(cache, layer), self._dev_start(start)
+            ),
+        )
 
     def _store_kv(self, cache, layer, k, v, start):
         k = self._contig(k)
@@ -1828,13 +1795,11 @@ class CUDABackend(Backend):
             self._launch(self._k_store, self._grid1(n * (kdim + vdim)), (_EW_THREADS,), args)
 
     def attention(self, q, cache, layer, start, scale, window=0, softcap=0.0):
+        if self._mode != _EAGER:
+            self._bind_positions((start,), (cache,))
         if self._mode == _EAGER:
             return self._attention(q, cache, layer, start, scale, window, softcap)
-        self._bind_positions((start,))
-        if self._mode == _EAGER:
-            return self._attention(q, cache, layer, start, scale, window, softcap)
-        self._trace_ref(cache)
-        key = ("attention", id(cache), layer, q.shape, float(scale), int(window), float(softcap))
+        key = ("attention", layer, q.shape, float(scale), int(window), float(softcap))
         return self._dispatch(
             key, (q,), lambda: self._attention(q, cache, layer, start, scale, window, softcap)
         )
@@ -1847,8 +1812,12 @@ class CUDABackend(Backend):
             raise BackendError(f"attention: q {q.shape} does not fit the cache")
         if start + n > cache.n_ctx:
             raise BackendError(f"attention: positions up to {start + n} past n_ctx {cache.n_ctx}")
-        if n == 1 and self._gqa_kernel(n_heads, cache) is not None:
-            return self._attention_gqa(q, cache, layer, start, scale, window, softcap)
+        if n == 1:  # the cache through its pointer table (a decode graph's parameter)
+            table = self._kv_table(cache, layer)
+            kernel = self._gqa_kernel(n_heads, cache)
+            if kernel is not None:
+                starts = self._dev_start(start)
+                return self._attend_gqa(kernel, q, cache, table, starts, scale, window, softcap)
         smem = 4 * (2 * _ATT_TILE * (hd + 1) + _ATT_TILE * hdv + _ATT_TILE * (_ATT_TILE + 1))
         if (
             n >= _ATT_TILES_MIN
@@ -1880,8 +1849,8 @@ class CUDABackend(Backend):
             part = self._empty((n * n_heads * n_splits * (hdv + 2),)) if n_splits > 1 else out
             args = (
                 q,
-                cache.k[layer],
-                cache.v[layer],
+                table[0] if n == 1 else cache.k[layer],  # attention_decode: pointer tables
+                table[1] if n == 1 else cache.v[layer],
                 self._dev_start(start),
                 np.int32(n_heads),
                 np.int32(cache.n_kv_heads),
@@ -1911,15 +1880,15 @@ class CUDABackend(Backend):
     def attend_batch(self, batch, layer, q, k, v, scale, window=0, softcap=0.0):
         """One token of each of several sequences (the server's decode step): every k/v row
         into its cache in one launch (``store_kv_rows``) and the rows' attention in another
-        (``attention_gqa_rows_*``), each row exactly as ``attention_gqa_*`` computes it
-        alone. The caches must agree in size (so each row gets the splits it gets alone);
-        anything else goes segment by segment. In a decode graph the caches' pointers and
-        positions are the step's parameters (``_Params``)."""
+        (``attention_gqa_*``), each row exactly as it is computed alone. The caches must
+        agree in geometry (so each row gets the splits it gets alone); anything else goes
+        segment by segment. In a decode graph the caches' pointers and positions are the
+        step's parameters (``_Params``)."""
         segs = batch.segments
         n = len(segs)
         c0 = segs[0].cache
         shape = c0.geometry
-        kernel = self._gqa_kernel(q.shape[1], c0, rows=True) if q.ndim == 3 else None
+        kernel = self._gqa_kernel(q.shape[1], c0) if q.ndim == 3 else None
         if (
             n < 2
             or len(batch) != n
@@ -1933,7 +1902,7 @@ class CUDABackend(Backend):
                     f"KV cache of {seg.cache.n_ctx} positions overflows at {seg.start + 1}"
                 )
         if self._mode != _EAGER:
-            self._bind_positions(batch.positions)
+            self._bind_positions(batch.positions, [s.cache for s in segs])
         if self._mode == _EAGER:
             table = self._cache_table([s.cache for s in segs])[1]
             return self._attend_rows(
@@ -1953,17 +1922,40 @@ class CUDABackend(Backend):
 
     def _attend_rows(self, kernel, q, k, v, c0, table, starts, scale, window, softcap):
         """``attend_batch``'s two launches; ``table``: the layer's (2, n) cache pointers."""
-        q, k, v = self._contig(q), self._contig(k), self._contig(v)
-        n, n_heads, hd = q.shape
-        n_kv = c0.n_kv_heads
-        kdim, vdim = k.size // n, v.size // n
-        if hd != c0.head_dim_k or kdim != n_kv * hd or vdim != n_kv * hd:
-            raise BackendError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} for the caches")
-        n_splits = self._gqa_splits(c0)
-        group = n_heads // n_kv
+        q = self._contig(q)
+        n, _n_heads, hd = q.shape
+        if hd != c0.head_dim_k:
+            raise BackendError(f"attention: q {q.shape} does not fit the caches")
+        self._store_rows(k, v, c0, table, starts)
+        return self._attend_gqa(kernel, q, c0, table, starts, scale, window, softcap)
+
+    def _store_rows(self, k, v, cache, table, starts) -> None:
+        """Row t of k and v into the cache at ``table[:, t]`` (the layer's (2, n) device
+        pointers), at position ``starts[t]`` (one launch of ``store_kv_rows``); every cache
+        of ``cache``'s geometry."""
+        k, v = self._contig(k), self._contig(v)
+        n = k.shape[0]
+        kdim, vdim = k.size // max(n, 1), v.size // max(n, 1)
+        if (
+            kdim != cache.n_kv_heads * cache.head_dim_k
+            or vdim != cache.n_kv_heads * cache.head_dim_v
+        ):
+            raise BackendError(f"store_kv: k {k.shape} / v {v.shape} do not fit the cache")
         with self._stream:
-            args = (k, v, table[0], table[1], starts, np.int32(n), np.int32(kdim), np.int32(vdim))
+            args = (
+                k, v, table[0], table[1], starts, np.int32(n), np.int32(kdim), np.int32(vdim),
+                np.int32(cache.n_ctx),
+            )  # fmt: skip
             self._launch(self._k_store_rows, self._grid1(n * (kdim + vdim)), (_EW_THREADS,), args)
+
+    def _attend_gqa(self, kernel, q, cache, table, starts, scale, window, softcap):
+        """Row t of q (one token) against the cache at ``table[:, t]``, position
+        ``starts[t]``: a block per (KV head, split, row) over the whole GQA group (ops.cu)."""
+        n, n_heads, hd = q.shape
+        n_kv = cache.n_kv_heads
+        group = n_heads // n_kv
+        n_splits = self._gqa_splits(cache)
+        with self._stream:
             out = self._empty((n, n_heads * hd))
             part = self._empty((n * n_kv * n_splits * group * (hd + 2),)) if n_splits > 1 else out
             counter = self.cp.zeros((n * n_kv,), dtype=self.cp.int32)
@@ -1975,6 +1967,13 @@ class CUDABackend(Backend):
             )  # fmt: skip
             self._launch(kernel, (n_kv, n_splits, n), (128,), args)
         return out
+
+    def _kv_table(self, cache: KVCache, layer: int):
+        """The device pointers (2 (k, v), 1) of one cache's layer: the step's parameters in
+        a decode graph, else the cache's own table."""
+        if self._mode != _EAGER:
+            return self._params.table[layer]
+        return self._cache_table([cache])[1][layer]
 
     def _cache_table(self, caches: list) -> tuple:
         """The device pointers of ``caches``' layers, uint64 (n_layers, 2 (k, v), len(caches)),
@@ -2001,14 +2000,13 @@ class CUDABackend(Backend):
         self._cache_tables[key] = ([weakref.ref(c) for c in caches], (host, dev))
         return host, dev
 
-    def _gqa_kernel(self, n_heads: int, cache: KVCache, rows: bool = False):
+    def _gqa_kernel(self, n_heads: int, cache: KVCache):
         """The decode attention kernel for whole GQA groups (ops.cu), or None where its
         shapes don't fit: head_dim 64, 128 or 256 for keys and values, groups of <= 8."""
         hd, group = cache.head_dim_k, n_heads // cache.n_kv_heads
         if hd != cache.head_dim_v or hd not in (64, 128, 256) or not 1 <= group <= 8:
             return None
-        kernels = self._k_att_gqa_rows if rows else self._k_att_gqa
-        return kernels[(hd // 32, 1 << (group - 1).bit_length())]
+        return self._k_att_gqa[(hd // 32, 1 << (group - 1).bit_length())]
 
     def _pdl_at(self, n_blocks: int, per_sm: int = 1) -> int:
         """Where a kernel of ``n_blocks`` blocks, ``per_sm`` of which fit an SM, lets its
@@ -2029,35 +2027,6 @@ class CUDABackend(Backend):
         heads, at most one per 32 positions of the cache."""
         per_sm = max(1, self._n_sm // cache.n_kv_heads)
         return max(1, min(_ATT_MAX_SPLITS, per_sm, cache.n_ctx // _ATT_MIN_KEYS))
-
-    def _attention_gqa(self, q, cache, layer, start, scale, window, softcap):
-        """One token: a block per (KV head, split) over the whole GQA group (ops.cu)."""
-        n_heads, hd = q.shape[1], q.shape[2]
-        n_kv = cache.n_kv_heads
-        group = n_heads // n_kv
-        n_splits = self._gqa_splits(cache)
-        with self._stream:
-            out = self._empty((1, n_heads * hd))
-            part = self._empty((n_kv * n_splits * group * (hd + 2),)) if n_splits > 1 else out
-            counter = self.cp.zeros((n_kv,), dtype=self.cp.int32)
-            args = (
-                q,
-                cache.k[layer],
-                cache.v[layer],
-                self._dev_start(start),
-                np.int32(n_heads),
-                np.int32(n_kv),
-                np.float32(scale),
-                np.int32(window),
-                np.float32(softcap),
-                np.int32(_ATT_SPLIT_KEYS),
-                out,
-                part,
-                counter,
-                np.int32(self._pdl_at(n_kv * n_splits)),
-            )
-            self._launch(self._gqa_kernel(n_heads, cache), (n_kv, n_splits), (128,), args)
-        return out
 
     def _binary(self, name, kernel, a, b):
         if self._mode == _EAGER:

@@ -342,9 +342,6 @@ def profile_step(backend, reps: int = 20, trace=None) -> list[tuple[str, int, fl
     launches = backend._fuse(trace) if backend.fuse else trace.launches
     names = {id(getattr(backend, a)): a[3:] for a in dir(backend) if a.startswith("_k_")}
     names.update({id(k): f"attention_gqa_{d}_{g}" for (d, g), k in backend._k_att_gqa.items()})
-    names.update(
-        {id(k): f"attention_gqa_rows_{d}_{g}" for (d, g), k in backend._k_att_gqa_rows.items()}
-    )
 
     def name(launch) -> str:
         if not isinstance(launch, _Matvec):
@@ -482,6 +479,7 @@ def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
     kv = be.from_host(rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32))
     be.store_kv(cache, 0, kv, kv, 0)
     q = be.from_host(rng.standard_normal((1, n_heads, hd)).astype(np.float32))
+    table = be._cache_table([cache])[1][0]  # the kernels' (2, 1) cache pointers
     out = []
     for pos in (0, 127, 511):
         for splits in (1, 4, 16):
@@ -490,7 +488,7 @@ def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
             part = be._empty((n_heads * splits * (hd + 2),)) if splits > 1 else res
             start = be._upload_i32([pos])
             args = (
-                q, cache.k[0], cache.v[0], start, np.int32(n_heads), np.int32(n_kv),
+                q, table[0], table[1], start, np.int32(n_heads), np.int32(n_kv),
                 np.int32(hd), np.int32(hd), np.float32(hd**-0.5), np.int32(0),
                 np.float32(0.0), np.int32(chunk), res, part,
             )  # fmt: skip
@@ -507,12 +505,12 @@ def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
             counter = cp.zeros((n_kv,), dtype=cp.int32)
             start = be._upload_i32([pos])
             args = (
-                q, cache.k[0], cache.v[0], start, np.int32(n_heads), np.int32(n_kv),
+                q, table[0], table[1], start, np.int32(n_heads), np.int32(n_kv),
                 np.float32(hd**-0.5), np.int32(0), np.float32(0.0), np.int32(min_keys), res,
                 part, counter, np.int32(be._pdl_at(n_kv * splits)),
             )  # fmt: skip
             kernel = be._gqa_kernel(n_heads, cache)
-            launches = [_Launch(kernel, (n_kv, splits), (128,), args)]
+            launches = [_Launch(kernel, (n_kv, splits, 1), (128,), args)]
             us = _graph_us(be, launches, reps)
             out.append((f"attention_gqa pos {pos} splits {splits} min_keys {min_keys}", us))
     return out

@@ -636,13 +636,13 @@ __device__ __forceinline__ RowRef locate(int row, int bpr, const u8* w0, i64 nb0
 // ROPE (one token; w0, w1, w2 are Q, K and V): the rows are taken in RoPE's pairs (2 i, 2 i + 1)
 // of a head, or (i, i + n_rot / 2) with neox, and lane 0 turns each pair of q and k as the
 // rope kernel does (ops.cu, rope_head: the same float32 operations) before it writes y0 (q)
-// and y1 (k); k and v (y2) also go to row *start of the fp16 caches kc and vc, as store_kv
-// rounds them. This folds rope(q), rope(k) and store_kv into the Q/K/V launch.
+// and y1 (k); k and v (y2) also go to row *start of the fp16 caches *kcs and *vcs (a graph's
+// parameters, like the position), as store_kv rounds them. This folds rope(q), rope(k) and store_kv into the Q/K/V launch.
 struct RopeArgs {
     const int* pos;    // the token's position (device memory: graphs replay at any position)
     const int* start;  // the cache row written
-    u16* kc;
-    u16* vc;
+    u16* const* kcs;   // the layer's caches, kcs[0] and vcs[0]
+    u16* const* vcs;
     int head_dim, head_dim_v, n_rot, neox, n_ctx;
     float theta_scale, freq_scale;
 };
@@ -866,6 +866,8 @@ __device__ __forceinline__ void mvq_body(
 
     XQ x0 = {sq, sd, ss};
     const int crow = ROPE ? *ra.start : 0;
+    u16* const kc = ROPE ? *ra.kcs : nullptr;
+    u16* const vc = ROPE ? *ra.vcs : nullptr;
     // a job's sums over the warp's lanes, and their outputs
     auto finish = [&](const Job& jb, const float* acc_a, const float* acc_b) {
         if constexpr (ROPE) {
@@ -881,7 +883,7 @@ __device__ __forceinline__ void mvq_body(
                 jb.a.y[jb.a.r] = o0;
                 jb.b.y[jb.b.r] = o1;
                 if (jb.a.slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
-                    u16* c = jb.a.slot == 1 ? ra.kc + (i64)crow * m1 : ra.vc + (i64)crow * m2;
+                    u16* c = jb.a.slot == 1 ? kc + (i64)crow * m1 : vc + (i64)crow * m2;
                     c[jb.a.r] = f2h(o0);
                     c[jb.b.r] = f2h(o1);
                 }
@@ -981,13 +983,13 @@ __device__ __forceinline__ void mvq_body(
         int m1, float *y1, const u8 *__restrict__ w2, i64 nb2, int m2, float *y2, int k,      \
         const float *__restrict__ x, int n, const float *__restrict__ norm_w, float eps,      \
         int norm, const float *__restrict__ resid, int has_resid, int act,                   \
-        const int *rope_pos, const int *rope_start, u16 *kc, u16 *vc, int head_dim,           \
-        int head_dim_v, int n_rot, int neox, int n_ctx, float theta_scale, float freq_scale, \
-        int pdl_at
+        const int *rope_pos, const int *rope_start, u16 *const *kcs, u16 *const *vcs,        \
+        int head_dim, int head_dim_v, int n_rot, int neox, int n_ctx, float theta_scale,     \
+        float freq_scale, int pdl_at
 #define MVQ_ARGS                                                                           \
     w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2, k, x, n, norm_w, eps, norm, resid,     \
         has_resid, act,                                                                    \
-        RopeArgs{rope_pos, rope_start, kc,   vc,         head_dim,   head_dim_v,              \
+        RopeArgs{rope_pos, rope_start, kcs,   vcs,         head_dim,   head_dim_v,            \
                  n_rot,    neox,       n_ctx, theta_scale, freq_scale}, pdl_at
 
 // n <= MV_MAX_TOKENS rows of x (short batches), n <= 2 and n <= 4 (fewer accumulators a

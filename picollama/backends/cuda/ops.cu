@@ -96,12 +96,13 @@ extern "C" __global__ void rope(const float* __restrict__ x, const int* __restri
 // RoPE of q and k and the KV cache write of k and v in one launch (decode graphs fuse
 // rope, rope and store_kv into this; backend._fuse). Block (t, slot): slot < n_heads ropes q
 // head `slot`; the next n_kv_heads slots rope k heads into k_out and the cache row
-// start + t; the last n_kv_heads copy v heads into the cache. The same float32 operations
+// start + t; the last n_kv_heads copy v heads into the cache. The caches are kcs[0] and
+// vcs[0] (a graph's parameters: one graph serves every cache of its size). The same float32 operations
 // and fp16 rounding as rope and store_kv.
 extern "C" __global__ void rope_store(const float* __restrict__ q, const float* __restrict__ k,
                                       const float* __restrict__ v, float* __restrict__ q_out,
-                                      float* __restrict__ k_out, u16* __restrict__ kc,
-                                      u16* __restrict__ vc, const int* __restrict__ pos,
+                                      float* __restrict__ k_out, u16* const* __restrict__ kcs,
+                                      u16* const* __restrict__ vcs, const int* __restrict__ pos,
                                       const int* __restrict__ start, int n_heads,
                                       int n_kv_heads, int head_dim, int head_dim_v, int n_rot,
                                       float theta_scale, float freq_scale, int neox,
@@ -111,6 +112,8 @@ extern "C" __global__ void rope_store(const float* __restrict__ q, const float* 
     pdl_trigger_at(1, 1);
     int t = blockIdx.x, slot = blockIdx.y;
     int row = *start + t;
+    u16* kc = kcs[0];
+    u16* vc = vcs[0];
     float p = (float)pos[t];
     if (slot < n_heads) {
         i64 at = ((i64)t * n_heads + slot) * head_dim;
@@ -153,22 +156,23 @@ extern "C" __global__ void store_kv(const float* __restrict__ k, const float* __
     }
 }
 
-// One row of k and v into each of n caches: row t at starts[t] of kcs[t] / vcs[t] (the
-// server's decode step, a token of each of several sequences; the host checks the starts).
+// One row of k and v into each of n caches: row t at starts[t] of kcs[t] / vcs[t] (decode
+// steps: a token of one sequence, or of each of several; the caches' pointers are the
+// step's parameters). Rows past n_ctx are dropped (the host checks the starts first).
 extern "C" __global__ void store_kv_rows(const float* __restrict__ k,
                                          const float* __restrict__ v, u16* const* __restrict__ kcs,
                                          u16* const* __restrict__ vcs,
                                          const int* __restrict__ starts, int n, int kdim,
-                                         int vdim) {
+                                         int vdim, int n_ctx) {
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     i64 nk = (i64)n * kdim, nv = (i64)n * vdim;
     if (idx < nk) {
         int t = (int)(idx / kdim), j = (int)(idx % kdim);
-        kcs[t][(i64)starts[t] * kdim + j] = f2h(k[idx]);
+        if (starts[t] < n_ctx) kcs[t][(i64)starts[t] * kdim + j] = f2h(k[idx]);
     } else if (idx < nk + nv) {
         i64 i2 = idx - nk;
         int t = (int)(i2 / vdim), j = (int)(i2 % vdim);
-        vcs[t][(i64)starts[t] * vdim + j] = f2h(v[i2]);
+        if (starts[t] < n_ctx) vcs[t][(i64)starts[t] * vdim + j] = f2h(v[i2]);
     }
 }
 
@@ -356,8 +360,15 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention(ATT_PARAM
     attention_body<false>(ATT_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_decode(ATT_PARAMS) {
-    attention_body<true>(ATT_ARGS);
+// (the caches at kcs[0] and vcs[0]: a decode graph's parameters)
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+    attention_decode(const float* __restrict__ q, const u16* const* __restrict__ kcs,
+                     const u16* const* __restrict__ vcs, const int* __restrict__ start_ptr,
+                     int n_heads, int n_kv_heads, int hd, int hdv, float scale, int window,
+                     float softcap, int chunk, float* __restrict__ out,
+                     float* __restrict__ part) {
+    attention_body<true>(q, kcs[0], vcs[0], start_ptr, n_heads, n_kv_heads, hd, hdv, scale,
+                         window, softcap, chunk, out, part);
 }
 
 // Prompt batches: tiles of queries against tiles of keys in shared memory. Block (h, tile)
@@ -820,26 +831,13 @@ __device__ __forceinline__ void attention_gqa_body(
     if (threadIdx.x == 0) counter[kvh] = 0;  // ready for the next launch (graph replays)
 }
 
-#define ATD_PARAMS                                                                         \
-    const float *__restrict__ q, const u16 *__restrict__ kc, const u16 *__restrict__ vc,     \
-        const int *__restrict__ start_ptr, int n_heads, int n_kv_heads, float scale,        \
-        int window, float softcap, int min_keys, float *__restrict__ out,                   \
-        float *__restrict__ part, int *__restrict__ counter, int pdl_at
-#define ATD_ARGS                                                                           \
-    q, kc, vc, start_ptr, n_heads, n_kv_heads, scale, window, softcap, min_keys, out, part, \
-        counter, pdl_at
-// attention_gqa_<DPL>_<GB>: head_dim 32 * DPL (64, 128, 256), groups of at most GB heads
-#define ATD_KERNEL(DPL, GB)                                                                \
+// attention_gqa_<DPL>_<GB>: head_dim 32 * DPL (64, 128, 256), groups of at most GB heads,
+// one token of each of gridDim.z sequences (1 for a lone sequence's decode): row z of
+// q and out, its cache at kcs[z] / vcs[z], its position starts[z], its own split partials
+// and counters (so each row gets exactly what it gets alone)
+#define ATD_KERNELS(DPL, GB)                                                              \
     extern "C" __global__ void __launch_bounds__(ATD_WARPS * 32)                           \
-        attention_gqa_##DPL##_##GB(ATD_PARAMS) {                                           \
-        attention_gqa_body<DPL, GB>(ATD_ARGS);                                             \
-    }
-// attention_gqa_rows_<DPL>_<GB>: the same for one token of each of gridDim.z sequences, row z
-// of q and out, its cache at kcs[z] / vcs[z], its position starts[z], its own split
-// partials and counters (so each row gets exactly what attention_gqa_* gives it alone)
-#define ATD_ROWS_KERNEL(DPL, GB)                                                           \
-    extern "C" __global__ void __launch_bounds__(ATD_WARPS * 32)                           \
-        attention_gqa_rows_##DPL##_##GB(                                                   \
+        attention_gqa_##DPL##_##GB(                                                        \
             const float *__restrict__ q, const u16 *const *__restrict__ kcs,                \
             const u16 *const *__restrict__ vcs, const int *__restrict__ starts, int n_heads, \
             int n_kv_heads, float scale, int window, float softcap, int min_keys,           \
@@ -854,7 +852,6 @@ __device__ __forceinline__ void attention_gqa_body(
                                     out + z * row, part + z * part_row,                    \
                                     counter + z * n_kv_heads, pdl_at);                     \
     }
-#define ATD_KERNELS(DPL, GB) ATD_KERNEL(DPL, GB) ATD_ROWS_KERNEL(DPL, GB)
 ATD_KERNELS(2, 1)
 ATD_KERNELS(2, 2)
 ATD_KERNELS(2, 4)
