@@ -19,7 +19,7 @@ from picollama.backends.base import Backend, get_backend
 from picollama.gguf import GGUFReader
 from picollama.models import load_model
 from picollama.models.registry import resolve_model_path
-from picollama.sampling.samplers import Sampler
+from picollama.sampling.samplers import Sampler, ban
 
 __all__ = ["ContextOverflowError", "Timings", "Engine", "Context", "eval_batch"]
 
@@ -161,11 +161,13 @@ class Context:
         del self.tokens[n:]
         self.cache.n_past = n
 
-    def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+    def eval(self, tokens: Sequence[int], all_logits: bool = False, top_k: int = 0) -> np.ndarray:
         """Append ``tokens`` to the cache, in batches of ``n_batch``.
 
         Returns the logits of the last token (n_vocab,), or of every token
-        (len(tokens), n_vocab) with ``all_logits``.
+        (len(tokens), n_vocab) with ``all_logits``. With ``top_k`` (the sampler's
+        ``top_needed``) the last token's may come back as its ``top_k`` largest alone
+        (``TOP_LOGITS``; ``Sampler.sample`` takes either).
         """
         tokens = [int(t) for t in tokens]
         self._check_append(tokens)
@@ -174,7 +176,9 @@ class Context:
             batch = np.array(tokens[i : i + self.n_batch], dtype=np.int64)
             rows = np.arange(len(batch)) if all_logits else None
             start = len(self.tokens)
-            logits = self.model.forward(batch, start, self.cache, rows)
+            last = i + self.n_batch >= len(tokens)
+            k = top_k if last and not all_logits else 0
+            logits = self.model.forward(batch, start, self.cache, rows, k)
             self.tokens.extend(batch.tolist())
             self.cache.n_past = len(self.tokens)
             out.append(logits)
@@ -189,7 +193,7 @@ class Context:
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise ContextOverflowError(len(self.tokens) + len(tokens), self.n_ctx)
 
-    def prefill(self, prompt: Sequence[int]) -> np.ndarray:
+    def prefill(self, prompt: Sequence[int], top_k: int = 0) -> np.ndarray:
         """Make the cache hold exactly ``prompt``; return the last token's logits.
 
         The longest common prefix with what the cache holds is kept; at least the last
@@ -206,7 +210,7 @@ class Context:
                 break
             n_keep += 1
         self.truncate(n_keep)
-        return self.eval(prompt[n_keep:])
+        return self.eval(prompt[n_keep:], top_k=top_k)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -235,21 +239,22 @@ class Context:
         self.finish_reason = "length"
         t0 = time.perf_counter()
         n_cached = len(self.tokens)
-        logits = self.prefill(prompt)
+        for tok in prompt:
+            sampler.accept(tok)
+        # --ignore-eos bans the end-of-generation tokens, as llama.cpp's logit bias does
+        banned = np.array(sorted(self.tokenizer.eog_ids), dtype=np.int64) if ignore_eos else None
+        n_banned = 0 if banned is None else len(banned)
+        # the logits the sampler needs (a backend may read back only a row's largest)
+        logits = self.prefill(prompt, top_k=sampler.top_needed(n_banned))
         t1 = time.perf_counter()
         self.timings.prompt_tokens = len(prompt) - min(n_cached, len(prompt) - 1)
         self.timings.prompt_ms = (t1 - t0) * 1000
         self.timings.predicted_tokens = 0
         self.timings.predicted_ms = 0.0
-        for tok in prompt:
-            sampler.accept(tok)
-        # --ignore-eos bans the end-of-generation tokens, as llama.cpp's logit bias does
-        banned = np.array(sorted(self.tokenizer.eog_ids), dtype=np.int64) if ignore_eos else None
         n_generated = 0
         while max_tokens is None or max_tokens < 0 or n_generated < max_tokens:
-            if banned is not None and len(banned):
-                logits = logits.copy()
-                logits[banned] = -np.inf
+            if n_banned:
+                logits = ban(logits, banned)
             token = sampler.sample(logits)
             sampler.accept(token)
             is_end = (token in stop) if stop is not None else self.tokenizer.is_eog(token)
@@ -261,16 +266,19 @@ class Context:
             if len(self.tokens) >= self.n_ctx:
                 return
             t2 = time.perf_counter()
-            logits = self.eval([token])
+            logits = self.eval([token], top_k=sampler.top_needed(n_banned))
             self.timings.predicted_ms += (time.perf_counter() - t2) * 1000
             self.timings.predicted_tokens += 1
 
 
-def eval_batch(work: Sequence[tuple[Context, Sequence[int]]]) -> list[np.ndarray]:
+def eval_batch(
+    work: Sequence[tuple[Context, Sequence[int]]], top_k: Sequence[int] | None = None
+) -> list[np.ndarray]:
     """Append tokens to several sequences of one engine in a single forward pass.
 
     The continuous-batching step: each context gets its tokens (a prompt chunk or one
     decode token) and its last token's logits back; the weights are read once for all.
+    ``top_k``: per sequence, what its sampler needs (``Segment.top_k``; default: whole rows).
     """
     from picollama.models.base import Segment
 
@@ -278,12 +286,14 @@ def eval_batch(work: Sequence[tuple[Context, Sequence[int]]]) -> list[np.ndarray
         return []
     model = work[0][0].model
     segments = []
-    for ctx, tokens in work:
+    tops = [0] * len(work) if top_k is None else list(top_k)
+    for (ctx, tokens), k in zip(work, tops, strict=True):
         if ctx.model is not model:
             raise ValueError("eval_batch needs sequences of one engine")
         tokens = [int(t) for t in tokens]
         ctx._check_append(tokens)
-        segments.append(Segment(np.array(tokens, dtype=np.int64), len(ctx.tokens), ctx.cache))
+        seg = Segment(np.array(tokens, dtype=np.int64), len(ctx.tokens), ctx.cache, top_k=k)
+        segments.append(seg)
     logits = model.backend.forward_step(model, segments)  # one decode token: compiled steps
     for (ctx, _), seg in zip(work, segments, strict=True):
         ctx.tokens.extend(seg.tokens.tolist())

@@ -707,3 +707,44 @@ def test_kv_cache_is_fp16_on_device(be):
     assert isinstance(cache, KVCache)
     assert cache.k[1].shape == (16, 2, 64) and cache.v[0].shape == (16, 2, 32)
     assert str(cache.k[0].dtype) == "float16"
+
+
+@pytest.mark.parametrize(
+    "rows,n,kind",
+    [
+        (1, 49152, "normal"),
+        (8, 49152, "grid"),  # many equal logits: ties at the k-th
+        (3, 262144, "normal"),
+        (2, 1000, "flat"),  # every logit equal: the lowest ids
+        (2, 100, "special"),  # fewer than _TOPK: the whole row, ordered
+        (5, 3001, "special"),  # NaN, infinities, -0.0 and 0.0
+    ],
+)
+def test_to_host_top_equals_the_host_order(be, rows, n, kind):
+    """top_k_rows (the sampler's read-back of a row's largest logits) against the host's
+    ``top_logits``: the same ids and the same logit bits, in the same order, at awkward
+    sizes, with ties (the lowest ids taken, as the sampler's top-k takes them), NaN last."""
+    from picollama.backends.base import TOP_LOGITS, top_logits
+    from picollama.backends.cuda.backend import _TOPK
+
+    rng = np.random.default_rng(rows * n)
+    x = (rng.standard_normal((rows, n)) * 4).astype(np.float32)
+    if kind == "grid":
+        x = np.round(x * 2) / 2
+    elif kind == "flat":
+        x[:] = 1.5
+    elif kind == "special":
+        for r in range(rows):
+            at = rng.choice(n, 12, replace=False)
+            x[r, at[:3]] = np.nan
+            x[r, at[3:5]] = np.inf
+            x[r, at[5:7]] = -np.inf
+            x[r, at[7:9]] = -0.0
+            x[r, at[9:]] = 0.0
+    got = be.to_host_top(be.from_host(x), 40)
+    want = top_logits(x, min(_TOPK, n))
+    assert got.dtype == TOP_LOGITS and got.shape == want.shape
+    np.testing.assert_array_equal(got["id"], want["id"])
+    np.testing.assert_array_equal(got["logit"].view(np.uint32), want["logit"].view(np.uint32))
+    # more than it reads back: whole rows
+    assert be.to_host_top(be.from_host(x), _TOPK + 1).shape == (rows, n)

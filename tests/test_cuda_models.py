@@ -504,3 +504,28 @@ def test_server_slots_on_cuda(model_file):
     assert backend.graph_stats["whole"] > 0, backend.graph_stats
     # the slots' lone decode steps share one graph (the cache is a parameter of the step)
     assert sum(t.params.n == 1 for t in backend._traces.values()) == 1, backend._traces
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_sampling_from_rows_largest(model_file, graphs):
+    """Generation with a seeded sampler (temperature, top-k, penalties, banned end tokens)
+    where the backend reads back only each row's largest logits (``to_host_top``) draws the
+    tokens it draws from whole rows (a zero logit bias makes the sampler ask for those):
+    the same steps, so the same logits, both times. With graphs the steps reach whole-step
+    replay with the small read-back."""
+    from picollama.generation import Engine
+    from picollama.sampling.samplers import Sampler, SamplingParams
+
+    runs = []
+    for bias in ({}, {0: 0.0}):
+        backend = _cuda(graphs=graphs)
+        engine = Engine(str(model_file), backend=backend)
+        ctx = engine.new_sequence(96)
+        params = SamplingParams(temperature=1.5, seed=3, repeat_penalty=1.1, logit_bias=bias)
+        sampler = Sampler(params)
+        runs.append(list(ctx.generate(PROMPT, sampler, 40, ignore_eos=True)))
+        if graphs:
+            assert backend.graph_stats["whole"] > 0, backend.graph_stats
+            assert backend.graph_stats["fallbacks"] == 0, backend.graph_stats
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == 40 and len(set(runs[0])) > 5

@@ -144,3 +144,69 @@ def test_top_k_selection_equals_a_stable_sort(vocab):
     nan_row[::3] = np.nan
     c = top_k(Candidates.from_logits(nan_row), 40)
     assert len(c) == 40 and np.isfinite(c.logits[: min(40, np.isfinite(nan_row).sum())]).all()
+
+
+def test_top_logits_order():
+    """The reference of a backend's top-k read-back: largest first, equal logits by lower
+    id, NaN after every number (-inf included)."""
+    from picollama.backends.base import top_logits
+
+    row = np.array([[1.0, 3.0, np.nan, 3.0, -np.inf, 2.0, 3.0]], dtype=np.float32)
+    top = top_logits(row, 7)[0]
+    assert top["id"].tolist() == [1, 3, 6, 5, 0, 4, 2]
+    assert top_logits(row, 3)[0]["id"].tolist() == [1, 3, 6]
+
+
+TOP_CASES = [
+    dict(temperature=0.8),
+    dict(temperature=0.0),
+    dict(temperature=1.2, top_k=5, top_p=0.9, min_p=0.0),
+    dict(temperature=0.7, top_k=40, typical_p=0.8, min_keep=3),
+    dict(temperature=0.9, repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1),
+    dict(temperature=0.0, repeat_penalty=1.5, repeat_last_n=-1),
+    dict(temperature=1.0, top_k=64, top_p=1.0, min_p=0.1, repeat_penalty=1.1),
+]
+
+
+@pytest.mark.parametrize("case", TOP_CASES, ids=[str(c) for c in TOP_CASES])
+@pytest.mark.parametrize("extra", [0, 50])
+def test_a_rows_largest_draw_what_the_row_draws(case, extra):
+    """A sampler fed only a row's ``top_needed()`` largest logits (what a GPU backend reads
+    back, ``Backend.to_host_top``; ``extra`` more than needed, as it may give) draws every
+    token the whole row draws, with the same seed: penalties that lower tokens in and out
+    of those largest, banned tokens, and ties at the boundary (logits on a grid of halves)."""
+    from picollama.backends.base import top_logits
+    from picollama.sampling.samplers import ban
+
+    rng = np.random.default_rng(7)
+    n_vocab = 3000
+    banned = np.array([5, 17, 2999])
+    whole = Sampler(SamplingParams(seed=11, **case), n_vocab)
+    top = Sampler(SamplingParams(seed=11, **case), n_vocab)
+    for t in rng.integers(0, n_vocab, 30).tolist():
+        whole.accept(t)
+        top.accept(t)
+    for step in range(40):
+        row = np.round(rng.standard_normal(n_vocab) * 6).astype(np.float32) / 2
+        row[rng.integers(0, n_vocab, 4)] = row.max()  # ties at the top as well
+        if step % 2 == 0:  # banned tokens among the largest
+            row[banned] = row.max() + 0.5
+        if step % 3 == 0:  # the window's tokens among the largest
+            row[top._window()] = row.max() + rng.integers(0, 3, len(top._window())) / 2
+        k = top.top_needed(len(banned))
+        assert k > 0
+        want = whole.sample(ban(row, banned))
+        got = top.sample(ban(top_logits(row, k + extra), banned))
+        assert got == want, (step, got, want)
+        whole.accept(want)
+        top.accept(got)
+
+
+def test_top_needed_is_zero_where_the_whole_row_counts():
+    assert Sampler(SamplingParams(top_k=0, temperature=0.8), 100).top_needed() == 0
+    assert Sampler(SamplingParams(logit_bias={3: 1.0}), 100).top_needed() == 0
+    assert Sampler(SamplingParams(temperature=0.0), 100).top_needed(2) == 3
+    s = Sampler(SamplingParams(top_k=40, repeat_penalty=1.2), 100)
+    for t in (1, 2, 2, 3):
+        s.accept(t)
+    assert s.top_needed(1) == 40 + 3 + 1  # three distinct tokens in the window, one banned

@@ -815,3 +815,62 @@ def test_load_no_cross_talk(server8):
     slot_steps1 = steps1 * server8.metric("n_busy_slots_per_decode")
     occupancy = (slot_steps1 - slot_steps0) / (steps1 - steps0)
     assert occupancy > 3, f"{occupancy:.2f} slots per step"
+
+
+def test_rows_largest_give_the_tokens_of_whole_rows(smollm2_path):
+    """Samplers that need only a row's largest logits get only those from a backend that
+    reads back less (as the CUDA one does, ``Backend.to_host_top``; here the CPU backend
+    made to, op by op): the generation loop and the server's slots draw the same tokens as
+    from whole rows, seeded, with ``ignore_eos`` (banned tokens) and penalties; a request
+    that asks for log probabilities still gets whole rows."""
+    from picollama.backends.base import top_logits
+    from picollama.backends.cpu.backend import CPUBackend
+    from picollama.generation import Engine
+    from picollama.sampling.samplers import Sampler, SamplingParams
+    from picollama.server.scheduler import GenRequest, Scheduler
+
+    class TopBackend(CPUBackend):
+        asked: list[int] = []
+
+        def forward_step(self, model, segments):
+            return model.forward_batch(segments)  # op by op: through to_host_top
+
+        def to_host_top(self, x, k):
+            self.asked.append(k)
+            return top_logits(self.to_host(x), k)
+
+    def params(i):
+        return SamplingParams(temperature=0.9, seed=100 + i, repeat_penalty=1.2)
+
+    prompts = [[1, 504, 3458, 282, 5248], [1, 18, 19, 20], [1, 2524, 314]]
+    runs = {}
+    for name, backend in (("whole", CPUBackend()), ("top", TopBackend())):
+        engine = Engine(smollm2_path, backend=backend)
+        ctx = engine.new_sequence(64)
+        lone = list(ctx.generate(prompts[0], Sampler(params(0)), 8, ignore_eos=True))
+        n_lone = len(TopBackend.asked)
+        sched = Scheduler(engine, 3, 192)
+        # the third asks for log probabilities: whole rows while it runs (3 tokens)
+        reqs = [
+            GenRequest(list(p), Sampler(params(i)), 8 - 5 * (i == 2), ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
+        reqs[2].n_probs = 2
+        sched.start()
+        try:
+            sched.submit(reqs)
+            served = []
+            for r in reqs:
+                tokens = []
+                while (ev := r.out.get(timeout=300)).kind == "token":
+                    tokens.append(ev.token)
+                assert ev.kind == "done", ev.message
+                served.append(tokens)
+        finally:
+            sched.stop()
+        runs[name] = (lone, served)
+    assert runs["top"] == runs["whole"], runs
+    assert len(runs["top"][0]) == 8 and [len(t) for t in runs["top"][1]] == [8, 8, 3]
+    # the top-k, the penalty window and the bans; the slots' steps after the third request
+    assert n_lone >= 8 and min(TopBackend.asked) > 40
+    assert len(TopBackend.asked) >= n_lone + 5

@@ -28,12 +28,42 @@ __all__ = [
     "KVCache",
     "Backend",
     "BackendError",
+    "TOP_LOGITS",
+    "top_logits",
+    "logits_top_k",
     "BACKENDS",
     "get_backend",
     "available_backends",
 ]
 
 Array = Any  # the backend's own array type
+
+# A row's largest logits as ``Backend.to_host_top`` hands them back: (token id, logit) pairs,
+# largest logit first, equal logits by lower id first (the order the sampler's top-k keeps).
+TOP_LOGITS = np.dtype([("id", np.int32), ("logit", np.float32)])
+
+
+def top_logits(logits: np.ndarray, k: int) -> np.ndarray:
+    """The reference of ``Backend.to_host_top`` on the host: each row's ``k`` largest logits
+    (rows, k) of ``TOP_LOGITS``. NaN ranks below every number."""
+    x = np.asarray(logits, dtype=np.float32).reshape(-1, logits.shape[-1])
+    k = min(k, x.shape[1])
+    out = np.empty((x.shape[0], k), dtype=TOP_LOGITS)
+    for r, row in enumerate(x):
+        key = np.where(np.isnan(row), -np.inf, row)
+        # lexsort: its last key is the primary one; ids ascending break the ties
+        order = np.lexsort((np.arange(len(row)), np.isnan(row), -key))[:k]
+        out[r]["id"] = order
+        out[r]["logit"] = row[order]
+    return out
+
+
+def logits_top_k(segments) -> int:
+    """How many of each logit row's largest entries a step's samplers need: the largest
+    ``Segment.top_k`` where every segment asks for some, else 0 (whole rows)."""
+    if not segments or any(s.top_k <= 0 for s in segments):
+        return 0
+    return max(s.top_k for s in segments)
 
 
 class BackendError(RuntimeError):
@@ -114,6 +144,13 @@ class Backend(ABC):
     @abstractmethod
     def to_host(self, x: Array) -> np.ndarray:
         """The array as a host numpy array (logits, for the sampler)."""
+
+    def to_host_top(self, x: Array, k: int) -> np.ndarray:
+        """Logit rows ``x`` (rows, n_vocab) for a sampler that needs only each row's ``k``
+        largest: those as (rows, k) of ``TOP_LOGITS`` (``top_logits``), or, where reading
+        the whole rows back costs no more (optional, default), ``to_host(x)``. Callers take
+        either (``picollama.sampling.samplers.Sampler.sample`` does)."""
+        return self.to_host(x)
 
     @abstractmethod
     def new_kv_cache(

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from picollama.backends.base import Backend, BackendError, KVCache, Weight
+from picollama.backends.base import Backend, BackendError, KVCache, Weight, logits_top_k
 from picollama.gguf import GGUFError, GGUFReader
 from picollama.gguf.constants import GGMLType
 
@@ -153,13 +153,16 @@ class Segment:
     """Tokens of one sequence at positions ``start ..`` in its own KV cache.
 
     ``logit_rows`` picks the tokens (indices within the segment) whose logits are wanted;
-    None means the last one.
+    None means the last one. ``top_k`` > 0 says that the sampler needs only each row's
+    ``top_k`` largest logits: the backend may then hand back those alone (``TOP_LOGITS``
+    rows, ``Backend.to_host_top``) instead of the whole rows.
     """
 
     tokens: np.ndarray
     start: int
     cache: KVCache
     logit_rows: np.ndarray | None = None
+    top_k: int = 0
 
 
 @dataclass
@@ -200,6 +203,18 @@ class Batch:
         (``Backend.attend_batch``)."""
         return be.attend_batch(self, layer, q, k, v, scale, window, softcap)
 
+    @property
+    def top_k(self) -> int:
+        """How many of each logit row's largest entries the step's samplers need: the
+        largest ``Segment.top_k`` where every segment asks for some, else 0 (whole rows)."""
+        return logits_top_k(self.segments)
+
+    def host_logits(self, be: Backend, logits) -> list[np.ndarray]:
+        """The logits of ``logit_rows`` read back, one array per segment: whole rows, or
+        each row's largest where every segment's sampler needs no more (``top_k``)."""
+        k = self.top_k
+        return self.split(be.to_host_top(logits, k) if k else be.to_host(logits))
+
     def split(self, logits: np.ndarray) -> list[np.ndarray]:
         """The host logits of ``logit_rows``, one array per segment."""
         out, at = [], 0
@@ -223,14 +238,20 @@ class BaseModel:
         )
 
     def forward(
-        self, tokens: np.ndarray, start: int, cache: KVCache, logit_rows: np.ndarray | None = None
+        self,
+        tokens: np.ndarray,
+        start: int,
+        cache: KVCache,
+        logit_rows: np.ndarray | None = None,
+        top_k: int = 0,
     ) -> np.ndarray:
         """Run ``tokens`` at positions ``start ..``; return logits for ``logit_rows``.
 
         ``logit_rows`` selects which of the batch's tokens get logits (default: the last);
-        the result is a host float32 array (len(logit_rows), n_vocab).
+        the result is a host float32 array (len(logit_rows), n_vocab), or with ``top_k``
+        possibly each row's largest logits alone (``Segment``).
         """
-        segments = [Segment(np.asarray(tokens), start, cache, logit_rows)]
+        segments = [Segment(np.asarray(tokens), start, cache, logit_rows, top_k)]
         return self.backend.forward_step(self, segments)[0]  # default: forward_batch
 
     def forward_batch(self, segments: list[Segment]) -> list[np.ndarray]:

@@ -160,4 +160,4 @@ class Model(BaseModel):
         logits = be.matmul(x, self.output)  # (rows, n_vocab)
         if a.final_softcap > 0:
             logits = be.softcap(logits, a.final_softcap)
-        return batch.split(be.to_host(logits))
+        return batch.host_logits(be, logits)

@@ -157,4 +157,4 @@ class Model(BaseModel):
             ff = be.rms_norm(be.matmul(ff, layer.w_down), layer.post_ffn_norm, a.norm_eps)
             x = be.add(x, ff)
         x = be.rms_norm(be.take_rows(x, batch.logit_rows), self.output_norm, a.norm_eps)
-        return batch.split(be.to_host(be.matmul(x, self.output)))  # (rows, n_vocab) each
+        return batch.host_logits(be, be.matmul(x, self.output))  # (rows, n_vocab) each

@@ -87,4 +87,4 @@ class Model(BaseModel):
             ff = be.gated_ffn(h, layer.w_gate, layer.w_up, "silu")
             x = be.add(x, be.matmul(ff, layer.w_down))  # ff: (n, n_ff)
         x = be.rms_norm(be.take_rows(x, batch.logit_rows), self.output_norm, a.norm_eps)
-        return batch.split(be.to_host(be.matmul(x, self.output)))  # (rows, n_vocab) each
+        return batch.host_logits(be, be.matmul(x, self.output))  # (rows, n_vocab) each

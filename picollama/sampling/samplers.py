@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
+from picollama.backends.base import TOP_LOGITS
+
 __all__ = [
     "SamplingParams",
     "Candidates",
@@ -26,6 +28,7 @@ __all__ = [
     "top_p",
     "min_p",
     "temperature",
+    "ban",
 ]
 
 DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: pick a random seed
@@ -254,6 +257,23 @@ def temperature(c: Candidates, t: float) -> Candidates:
     return Candidates(c.ids, (c.logits / np.float32(t)).astype(np.float32), c.sorted)
 
 
+def ban(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``logits`` (a row, or a ``TOP_LOGITS`` row of a row's largest) with tokens ``ids``
+    at -inf (``ignore_eos``: end-of-generation tokens can't be drawn); a new array."""
+    out = logits.copy()
+    if out.dtype == TOP_LOGITS:
+        out["logit"][np.isin(out["id"], ids)] = -np.inf
+    else:
+        out[ids] = -np.inf
+    return out
+
+
+def _penalized(history: Sequence[int], p: SamplingParams) -> set[int]:
+    if p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+        return set()
+    return set(history)
+
+
 class Sampler:
     """The chain for one generation; ``sample(logits)`` returns a token id.
 
@@ -310,9 +330,32 @@ class Sampler:
             return []
         return self.history if n == -1 else self.history[-n:]
 
-    def candidates(self, logits: np.ndarray) -> Candidates:
-        """The filtered, temperature-scaled candidates before the draw."""
+    def top_needed(self, n_banned: int = 0) -> int:
+        """How many of a logit row's largest entries decide the next draw, whatever the
+        rest (0: the whole row is needed): enough for top-k (or greedy) to pick from after
+        the penalties, which only lower the logits of the window's tokens, and after
+        ``n_banned`` tokens are banned. With a grammar, logit biases or no top-k the whole
+        row counts. The backend may then read back only those (``Segment.top_k``)."""
         p = self.params
+        if self.grammar is not None or p.logit_bias:
+            return 0
+        if p.temperature <= 0.0:
+            n = max(p.min_keep, 1)  # greedy: the largest (after the penalties)
+        elif p.top_k > 0:
+            n = max(p.top_k, p.min_keep)
+        else:
+            return 0
+        return n + len(_penalized(self._window(), p)) + max(n_banned, 0)
+
+    def candidates(self, logits: np.ndarray) -> Candidates:
+        """The filtered, temperature-scaled candidates before the draw.
+
+        ``logits``: the whole row, or a row's largest as ``TOP_LOGITS`` pairs (at least
+        ``top_needed()`` of them): the chain then starts from those, in token order, and
+        picks what it picks from the whole row."""
+        p = self.params
+        if logits.dtype == TOP_LOGITS:
+            return self._chain(self._top_candidates(logits.reshape(-1)))
         # the filters below make new arrays: the row is copied only to add biases
         row = np.asarray(logits, dtype=np.float32).reshape(-1)
         if p.logit_bias:
@@ -322,7 +365,34 @@ class Sampler:
         row = apply_penalties(
             row, self._window(), p.repeat_penalty, p.frequency_penalty, p.presence_penalty
         )
-        c = Candidates.from_logits(row)
+        return self._chain(Candidates.from_logits(row))
+
+    def _top_candidates(self, top: np.ndarray) -> Candidates:
+        """Candidates of a row's largest logits, as the whole row's would be before top-k:
+        in token order (so that ties fall as they do in the row), penalties applied."""
+        p = self.params
+        if p.logit_bias or self.grammar is not None:
+            raise ValueError("a sampler with logit biases or a grammar needs the whole row")
+        order = np.argsort(top["id"], kind="stable")
+        ids = top["id"][order].astype(np.int64)
+        logits = top["logit"][order].astype(np.float32)
+        window = self._window()
+        if _penalized(window, p):
+            logits = logits.copy()
+            at = {int(t): i for i, t in enumerate(ids)}
+            for tok, count in Counter(window).items():
+                i = at.get(tok)
+                if i is None:
+                    continue  # below the largest: lowering it changes nothing
+                if logits[i] <= 0:
+                    logits[i] *= p.repeat_penalty
+                else:
+                    logits[i] /= p.repeat_penalty
+                logits[i] -= count * p.frequency_penalty + (count > 0) * p.presence_penalty
+        return Candidates(ids, logits)
+
+    def _chain(self, c: Candidates) -> Candidates:
+        p = self.params
         keep = max(p.min_keep, 1)
         if p.temperature <= 0.0:
             return temperature(c, p.temperature)

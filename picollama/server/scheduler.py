@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from picollama.generation import Context, Engine, eval_batch
-from picollama.sampling.samplers import Sampler
+from picollama.sampling.samplers import Sampler, ban
 from picollama.sampling.stop import StopStrings
 from picollama.server.prefix_tree import PrefixTree
 
@@ -119,23 +119,27 @@ class Slot:
         return [self.next_token]
 
 
-def engine_step(batch: list[tuple[Context, list[int]]]) -> list[np.ndarray]:
+def engine_step(
+    batch: list[tuple[Context, list[int]]], top_k: list[int] | None = None
+) -> list[np.ndarray]:
     """Evaluate one step for every active sequence; return each one's last-token logits.
 
     One forward pass for all slots (continuous batching): one matmul over the tokens of
     every slot, attention per sequence against its own KV cache. Each ``Context`` appends
-    its tokens to its cache.
+    its tokens to its cache. ``top_k``: what each sequence's sampler needs (``eval_batch``).
     """
+    tops = [0] * len(batch) if top_k is None else top_k
     # slots whose LoRA adapters differ run different model views (picollama.lora): one pass
     # per view, as llama-server does not batch slots with different adapters
     groups: dict[int, list[int]] = {}
     for i, (ctx, _) in enumerate(batch):
         groups.setdefault(id(ctx.model), []).append(i)
     if len(groups) == 1:
-        return eval_batch(batch)
+        return eval_batch(batch, tops)
     out: list = [None] * len(batch)
     for rows in groups.values():
-        for i, logits in zip(rows, eval_batch([batch[i] for i in rows]), strict=True):
+        part = eval_batch([batch[i] for i in rows], [tops[i] for i in rows])
+        for i, logits in zip(rows, part, strict=True):
             out[i] = logits
     return out
 
@@ -380,13 +384,14 @@ class Scheduler:
         active = [s for s in self.slots if s.req is not None]
         if not active:
             return
-        batch = []
+        batch, tops = [], []
         for s in active:
             tokens = s.step_tokens(self.n_batch)
             batch.append((s.ctx, tokens))
+            tops.append(self._top_needed(s))  # (a prompt chunk's logits go unused)
         t0 = time.perf_counter()
         try:
-            all_logits = engine_step(batch)
+            all_logits = engine_step(batch, tops)
         except Exception as exc:
             for s in active:
                 self._finish(s, "error", message=f"evaluation failed: {exc}")
@@ -409,12 +414,19 @@ class Scheduler:
                 self.t_predict_total += share
             self._sample(s, logits)
 
+    def _top_needed(self, s: Slot) -> int:
+        """How many of the slot's next logit row its sampler needs (0: all of it; log
+        probabilities need the whole row)."""
+        req = s.req
+        if req is None or req.logprobs or req.n_probs > 0:
+            return 0
+        return req.sampler.top_needed(0 if s.banned is None else len(s.banned))
+
     def _sample(self, s: Slot, logits: np.ndarray) -> None:
         req = s.req
         assert req is not None
         if s.banned is not None:
-            logits = logits.copy()
-            logits[s.banned] = -np.inf
+            logits = ban(logits, s.banned)
         try:
             token = req.sampler.sample(logits)
         except Exception as exc:  # a grammar that cannot continue, for one

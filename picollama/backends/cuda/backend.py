@@ -75,7 +75,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from picollama.backends.base import Backend, BackendError, KVCache, Weight
+from picollama.backends.base import (
+    TOP_LOGITS,
+    Backend,
+    BackendError,
+    KVCache,
+    Weight,
+    logits_top_k,
+)
 from picollama.backends.cuda import layout
 from picollama.gguf.constants import GGMLType
 
@@ -100,6 +107,11 @@ _ATT_TILES_MIN = 32  # prompt batches of at least this many rows: attention_tile
 _ATT_TILE = 32  # queries and keys per tile of attention_tiles_* (FA_BQ, FA_BK)
 _MEM_MARGIN = 64 << 20  # bytes kept free for cuBLAS, the CUDA context and small buffers
 _EW_THREADS = 256  # threads per block of the elementwise kernels
+# to_host_top: the largest logits of a row read back for the sampler (ops.cu, top_k_rows:
+# at most TOPK_MAX), whatever it asks for up to that (so one decode graph serves every
+# request): llama.cpp's default top-k of 40, plus a penalty window of 64 and banned tokens
+_TOPK = 128
+_TOPK_THREADS = 1024
 _MAX_CACHE_TABLES = 256  # sets of caches whose pointer tables are kept (attend_batch)
 _MAX_GRAPH_MISSES = 4  # divergent replays before graphs are turned off
 _TRUST_AFTER = 2  # clean op-by-op replays of a step's key before whole-step replay
@@ -279,9 +291,10 @@ class _OpRecord:
 class _Trace:
     """A recorded decode step: its ops, their kernel launches and the captured graph."""
 
-    def __init__(self, first_weight, params: _Params, geometry: tuple):
+    def __init__(self, first_weight, params: _Params, shape: tuple):
         self.first_weight = first_weight
-        self.key = (id(first_weight), params.n, geometry)  # geometry: of the step's caches
+        # shape: the caches' geometry, and whether the logits come back as rows' largest
+        self.key = (id(first_weight), params.n, shape)
         self.params = params  # the step's parameters (params.n tokens)
         self.ops: list[_OpRecord] = []
         self.launches: list = []  # _Launch or _Matvec, in order
@@ -293,6 +306,7 @@ class _Trace:
         # nothing; the step's parameters go up and the logits come back around it)
         self.host = None
         self.host_mem = None
+        self.top = False  # its logits come back as each row's largest (to_host_top)
 
 
 class _Step:
@@ -411,6 +425,11 @@ def _root(a):
     return a if base is None else base
 
 
+def _as_top(a: np.ndarray) -> np.ndarray:
+    """The (rows, K, 2) int32 pairs of ``top_k_rows`` read back, as (rows, K) ``TOP_LOGITS``."""
+    return a if a.dtype == TOP_LOGITS else a.view(TOP_LOGITS).reshape(a.shape[:2])
+
+
 def _mv_smem(n: int, k: int) -> int:
     """Shared memory of the float matvec (quant.cu): padded x, then its half-chunk sums."""
     return n * (k // 32) * (_MV_PAD + 2) * 4
@@ -503,6 +522,7 @@ class CUDABackend(Backend):
                 self._k_gelu = self._ops.get_function("gelu_mul")
                 self._k_softcap = self._ops.get_function("softcap")
                 self._k_gather = self._ops.get_function("gather_rows")
+                self._k_topk = self._ops.get_function("top_k_rows")
                 self._k_absmax = self._ops.get_function("absmax")
                 self._k_to_half = self._ops.get_function("to_half_scaled")
                 # cuBLAS's alpha and beta for the float32 GEMM, read from the device (the
@@ -714,6 +734,28 @@ class CUDABackend(Backend):
             return self._to_host_step(x)
         return self._read_back(x)
 
+    def to_host_top(self, x, k: int) -> np.ndarray:
+        """Each row's ``_TOPK`` largest logits (``top_k_rows``), for samplers that need at
+        most that many: 1 KB a row read back instead of the row (196 KB for a vocabulary of
+        49k), and the host's own top-k pass saved; whole rows where more are needed."""
+        if not 0 < k <= _TOPK or x.ndim != 2 or x.shape[0] == 0:
+            return self.to_host(x)
+        if self._mode == _EAGER:
+            return _as_top(self._read_back(self._top_k(x)))
+        pairs = self._dispatch(("top_k", x.shape), (x,), lambda: self._top_k(x))
+        return _as_top(self.to_host(pairs))
+
+    def _top_k(self, x):
+        """(rows, K, 2) int32 on the device: each row's K largest as (id, logit bits)."""
+        x = self._contig(x)
+        rows, n = x.shape
+        kk = min(_TOPK, n)
+        with self._stream:
+            out = self.cp.empty((rows, kk, 2), dtype=self.cp.int32)
+            args = (x, np.int32(n), np.int32(kk), out)
+            self._launch(self._k_topk, (rows,), (_TOPK_THREADS,), args)
+        return out
+
     def _read_back(self, x) -> np.ndarray:
         """Copy a device array to a fresh host array through a pinned buffer."""
         cp = self.cp
@@ -848,7 +890,7 @@ class CUDABackend(Backend):
             rows_key = tuple(np.asarray(seg.logit_rows).reshape(-1).tolist())
         elif any(s.logit_rows is not None or s.cache.geometry != shape for s in segments):
             return model.forward_batch(segments)  # eager
-        key = (id(model), n, shape, rows_key)
+        key = (id(model), n, shape, rows_key, self._top_step(segments))
         if not self.whole_steps:
             return self._forward_traced(model, segments)
         step = self._steps.get(key)
@@ -866,13 +908,19 @@ class CUDABackend(Backend):
         if clean is None or clean[2] != self._n_launches or len(out) != n:
             return out
         trace, host, _ = clean
-        if any(o.base is not host for o in out) or sum(len(o) for o in out) != len(host):
+        root = _root(host)
+        if any(o.base is not root for o in out) or sum(len(o) for o in out) != len(host):
             return out  # the model did more than return the read-back logits
         if step is None or step.trace is not trace:
             self._steps = {k: v for k, v in self._steps.items() if v.alive()}
             step = self._steps[key] = _Step(model, trace)
         step.clean += 1
         return out
+
+    @staticmethod
+    def _top_step(segments: list) -> bool:
+        """Whether a step's logits come back as each row's largest (``to_host_top``)."""
+        return 0 < logits_top_k(segments) <= _TOPK
 
     def _forward_traced(self, model, segments: list) -> list[np.ndarray]:
         """``model.forward_batch``, with its one-token segments known to ``_begin_step`` (so
@@ -985,14 +1033,15 @@ class CUDABackend(Backend):
         self._set_params(p, multi)
         self._step_pos = tuple(int(seg.start) for seg in multi)
         self._step_caches = [seg.cache for seg in multi]
-        trace = self._traces.get((id(w), n, cache.geometry))
+        shape = (cache.geometry, self._top_step(multi))
+        trace = self._traces.get((id(w), n, shape))
         if trace is not None and trace.graph is not None and trace.params is p:
             self._mode, self._trace = _REPLAY, trace
             self._op_i = 0
             self._launched = False
             self._step_t0 = time.perf_counter()
         else:
-            self._mode, self._trace = _RECORD, _Trace(w, p, cache.geometry)
+            self._mode, self._trace = _RECORD, _Trace(w, p, shape)
             with self._stream:
                 self._upload_params()
 
@@ -1065,7 +1114,8 @@ class CUDABackend(Backend):
         if trace.host is None or out is not trace.ops[-1].out:
             return self._read_back(out)
         self._stream.synchronize()  # the graph's last node copied them to trace.host
-        return trace.host.copy()
+        host = trace.host.copy()
+        return _as_top(host) if trace.top else host
 
     def _diverge(self) -> None:
         """A replayed step that does not match its recording: finish it eagerly.
@@ -1127,6 +1177,7 @@ class CUDABackend(Backend):
                 launch_at = i
                 break
         trace.launch_at = launch_at
+        trace.top = len(trace.ops) > 1 and trace.ops[-2].key[0] == "top_k"
         cp = self.cp
         stream = self._stream
         launches = self._fuse(trace) if self.fuse else trace.launches
