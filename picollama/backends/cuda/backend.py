@@ -1819,9 +1819,9 @@ class CUDABackend(Backend):
             ),
         )
 
-    def _store_kv(self, cache, layer, k, v, start):
-        k = self._contig(k)
-        v = self._contig(v)
+    def _kv_rows(self, cache, k, v) -> tuple:
+        """k and v contiguous, with their rows' widths, checked against the cache."""
+        k, v = self._contig(k), self._contig(v)
         n = k.shape[0]
         kdim, vdim = k.size // max(n, 1), v.size // max(n, 1)
         if (
@@ -1829,6 +1829,10 @@ class CUDABackend(Backend):
             or vdim != cache.n_kv_heads * cache.head_dim_v
         ):
             raise BackendError(f"store_kv: k {k.shape} / v {v.shape} do not fit the cache")
+        return k, v, n, kdim, vdim
+
+    def _store_kv(self, cache, layer, k, v, start):
+        k, v, n, kdim, vdim = self._kv_rows(cache, k, v)
         if n == 0:
             return
         with self._stream:
@@ -1984,14 +1988,7 @@ class CUDABackend(Backend):
         """Row t of k and v into the cache at ``table[:, t]`` (the layer's (2, n) device
         pointers), at position ``starts[t]`` (one launch of ``store_kv_rows``); every cache
         of ``cache``'s geometry."""
-        k, v = self._contig(k), self._contig(v)
-        n = k.shape[0]
-        kdim, vdim = k.size // max(n, 1), v.size // max(n, 1)
-        if (
-            kdim != cache.n_kv_heads * cache.head_dim_k
-            or vdim != cache.n_kv_heads * cache.head_dim_v
-        ):
-            raise BackendError(f"store_kv: k {k.shape} / v {v.shape} do not fit the cache")
+        k, v, n, kdim, vdim = self._kv_rows(cache, k, v)
         with self._stream:
             args = (
                 k, v, table[0], table[1], starts, np.int32(n), np.int32(kdim), np.int32(vdim),
