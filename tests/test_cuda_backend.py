@@ -721,9 +721,10 @@ def test_kv_cache_is_fp16_on_device(be):
     ],
 )
 def test_to_host_top_equals_the_host_order(be, rows, n, kind):
-    """top_k_rows (the sampler's read-back of a row's largest logits) against the host's
-    ``top_logits``: the same ids and the same logit bits, in the same order, at awkward
-    sizes, with ties (the lowest ids taken, as the sampler's top-k takes them), NaN last."""
+    """top_k_logits / top_k_keys (a row's largest logits read back for the sampler) against
+    the host's ``top_logits``: the same ids and the same logit bits, in the same order, at
+    awkward sizes (one level of chunks, two, three), with ties (the lowest ids taken, as the
+    sampler's top-k takes them), NaN last."""
     from picollama.backends.base import TOP_LOGITS, top_logits
     from picollama.backends.cuda.backend import _TOPK
 
@@ -741,10 +742,19 @@ def test_to_host_top_equals_the_host_order(be, rows, n, kind):
             x[r, at[5:7]] = -np.inf
             x[r, at[7:9]] = -0.0
             x[r, at[9:]] = 0.0
-    got = be.to_host_top(be.from_host(x), 40)
+    from picollama.backends.cuda.backend import _TOPK_MIN_ROWS, _as_top
+
+    dev = be.from_host(x)
+    got = _as_top(be.to_host(be._top_k(dev)))
     want = top_logits(x, min(_TOPK, n))
     assert got.dtype == TOP_LOGITS and got.shape == want.shape
     np.testing.assert_array_equal(got["id"], want["id"])
     np.testing.assert_array_equal(got["logit"].view(np.uint32), want["logit"].view(np.uint32))
-    # more than it reads back: whole rows
-    assert be.to_host_top(be.from_host(x), _TOPK + 1).shape == (rows, n)
+    # to_host_top: these from _TOPK_MIN_ROWS rows on, whole rows for fewer or more than _TOPK
+    top = be.to_host_top(dev, 40)
+    if rows >= _TOPK_MIN_ROWS:
+        assert top.dtype == TOP_LOGITS
+        np.testing.assert_array_equal(top.view(np.uint64), got.view(np.uint64))
+    else:
+        np.testing.assert_array_equal(top, x)
+    np.testing.assert_array_equal(be.to_host_top(dev, _TOPK + 1), x)

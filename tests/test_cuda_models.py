@@ -508,24 +508,45 @@ def test_server_slots_on_cuda(model_file):
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_sampling_from_rows_largest(model_file, graphs):
-    """Generation with a seeded sampler (temperature, top-k, penalties, banned end tokens)
-    where the backend reads back only each row's largest logits (``to_host_top``) draws the
-    tokens it draws from whole rows (a zero logit bias makes the sampler ask for those):
+    """Two sequences decoded together with seeded samplers (temperature, top-k, penalties)
+    where the backend reads back only each row's largest logits (``to_host_top``) draw the
+    tokens they draw from whole rows (a zero logit bias makes the samplers ask for those):
     the same steps, so the same logits, both times. With graphs the steps reach whole-step
     replay with the small read-back."""
-    from picollama.generation import Engine
+    from picollama.generation import Engine, eval_batch
     from picollama.sampling.samplers import Sampler, SamplingParams
 
     runs = []
     for bias in ({}, {0: 0.0}):
         backend = _cuda(graphs=graphs)
         engine = Engine(str(model_file), backend=backend)
-        ctx = engine.new_sequence(96)
-        params = SamplingParams(temperature=1.5, seed=3, repeat_penalty=1.1, logit_bias=bias)
-        sampler = Sampler(params)
-        runs.append(list(ctx.generate(PROMPT, sampler, 40, ignore_eos=True)))
+        ctxs = [engine.new_sequence(96) for _ in range(2)]
+        samplers = [
+            Sampler(
+                SamplingParams(temperature=1.5, seed=3 + i, repeat_penalty=1.1, logit_bias=bias)
+            )
+            for i in range(2)
+        ]
+        prompts = [PROMPT, PROMPT[:5]]
+        tops = [s.top_needed() for s in samplers]
+        assert all(t > 0 for t in tops) == (not bias)
+        logits = eval_batch(list(zip(ctxs, prompts, strict=True)), tops)
+        for s, p in zip(samplers, prompts, strict=True):
+            for t in p:
+                s.accept(t)
+        out = []
+        for _ in range(40):
+            toks = [s.sample(row) for s, row in zip(samplers, logits, strict=True)]
+            for s, t in zip(samplers, toks, strict=True):
+                s.accept(t)
+            out.append(toks)
+            tops = [s.top_needed() for s in samplers]
+            logits = eval_batch([(c, [t]) for c, t in zip(ctxs, toks, strict=True)], tops)
+        runs.append(out)
         if graphs:
             assert backend.graph_stats["whole"] > 0, backend.graph_stats
             assert backend.graph_stats["fallbacks"] == 0, backend.graph_stats
+        if not bias:
+            assert logits[0].dtype.names == ("id", "logit")  # the rows' largest came back
     assert runs[0] == runs[1]
-    assert len(runs[0]) == 40 and len(set(runs[0])) > 5
+    assert len({t for toks in runs[0] for t in toks}) > 5

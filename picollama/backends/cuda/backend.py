@@ -107,11 +107,16 @@ _ATT_TILES_MIN = 32  # prompt batches of at least this many rows: attention_tile
 _ATT_TILE = 32  # queries and keys per tile of attention_tiles_* (FA_BQ, FA_BK)
 _MEM_MARGIN = 64 << 20  # bytes kept free for cuBLAS, the CUDA context and small buffers
 _EW_THREADS = 256  # threads per block of the elementwise kernels
-# to_host_top: the largest logits of a row read back for the sampler (ops.cu, top_k_rows:
-# at most TOPK_MAX), whatever it asks for up to that (so one decode graph serves every
-# request): llama.cpp's default top-k of 40, plus a penalty window of 64 and banned tokens
+# to_host_top: the largest logits of a row read back for the sampler (ops.cu, top_k_*),
+# whatever it asks for up to that (so one decode graph serves every request): llama.cpp's
+# default top-k of 40, plus a penalty window of 64 and banned tokens
 _TOPK = 128
 _TOPK_THREADS = 1024
+_TOPK_CHUNK = 4096  # keys a block sorts (ops.cu, TOPK_CHUNK)
+# Fewer rows read back whole: the select is latency-bound (one block a chunk of a row, 33 +
+# 17 us for a 49k vocabulary on the H200, whatever the rows up to 8), about what one row's
+# copy (6 us) and the host's own top-k scan and copy cost; from 2 rows on it saves time.
+_TOPK_MIN_ROWS = 2
 _MAX_CACHE_TABLES = 256  # sets of caches whose pointer tables are kept (attend_batch)
 _MAX_GRAPH_MISSES = 4  # divergent replays before graphs are turned off
 _TRUST_AFTER = 2  # clean op-by-op replays of a step's key before whole-step replay
@@ -522,7 +527,8 @@ class CUDABackend(Backend):
                 self._k_gelu = self._ops.get_function("gelu_mul")
                 self._k_softcap = self._ops.get_function("softcap")
                 self._k_gather = self._ops.get_function("gather_rows")
-                self._k_topk = self._ops.get_function("top_k_rows")
+                self._k_topk = self._ops.get_function("top_k_logits")
+                self._k_topk_keys = self._ops.get_function("top_k_keys")
                 self._k_absmax = self._ops.get_function("absmax")
                 self._k_to_half = self._ops.get_function("to_half_scaled")
                 # cuBLAS's alpha and beta for the float32 GEMM, read from the device (the
@@ -735,10 +741,11 @@ class CUDABackend(Backend):
         return self._read_back(x)
 
     def to_host_top(self, x, k: int) -> np.ndarray:
-        """Each row's ``_TOPK`` largest logits (``top_k_rows``), for samplers that need at
-        most that many: 1 KB a row read back instead of the row (196 KB for a vocabulary of
-        49k), and the host's own top-k pass saved; whole rows where more are needed."""
-        if not 0 < k <= _TOPK or x.ndim != 2 or x.shape[0] == 0:
+        """Each row's ``_TOPK`` largest logits (``_top_k``), for samplers that need at most
+        that many: 1 KB a row read back instead of the row (196 KB for a vocabulary of 49k),
+        and the host's own top-k pass saved; whole rows where more are needed, or for fewer
+        than ``_TOPK_MIN_ROWS`` rows."""
+        if not 0 < k <= _TOPK or x.ndim != 2 or x.shape[0] < max(_TOPK_MIN_ROWS, 1):
             return self.to_host(x)
         if self._mode == _EAGER:
             return _as_top(self._read_back(self._top_k(x)))
@@ -746,15 +753,29 @@ class CUDABackend(Backend):
         return _as_top(self.to_host(pairs))
 
     def _top_k(self, x):
-        """(rows, K, 2) int32 on the device: each row's K largest as (id, logit bits)."""
+        """(rows, K, 2) int32 on the device: each row's K largest as (id, logit bits), by
+        levels of chunks sorted in shared memory (ops.cu, top_k_logits / top_k_keys)."""
+        cp = self.cp
         x = self._contig(x)
         rows, n = x.shape
         kk = min(_TOPK, n)
         with self._stream:
-            out = self.cp.empty((rows, kk, 2), dtype=self.cp.int32)
-            args = (x, np.int32(n), np.int32(kk), out)
-            self._launch(self._k_topk, (rows,), (_TOPK_THREADS,), args)
-        return out
+            pairs = cp.empty((rows, kk, 2), dtype=cp.int32)
+            keys, m = None, n
+            while True:
+                chunks = -(-m // _TOPK_CHUNK)
+                final = chunks == 1
+                # a level writes the next level's keys, or the pairs from the one chunk left
+                out = pairs if final else cp.empty((rows, chunks * kk), dtype=cp.uint64)
+                head = (np.int32(m), np.int32(kk), np.int32(final), out)
+                if keys is None:
+                    kernel, args = self._k_topk, (x, *head, pairs)
+                else:
+                    kernel, args = self._k_topk_keys, (keys, *head, x, np.int32(n), pairs)
+                self._launch(kernel, (chunks, rows), (_TOPK_THREADS,), args)
+                if final:
+                    return pairs
+                keys, m = out, chunks * kk
 
     def _read_back(self, x) -> np.ndarray:
         """Copy a device array to a fresh host array through a pinned buffer."""
@@ -920,7 +941,7 @@ class CUDABackend(Backend):
     @staticmethod
     def _top_step(segments: list) -> bool:
         """Whether a step's logits come back as each row's largest (``to_host_top``)."""
-        return 0 < logits_top_k(segments) <= _TOPK
+        return 0 < logits_top_k(segments) <= _TOPK and len(segments) >= _TOPK_MIN_ROWS
 
     def _forward_traced(self, model, segments: list) -> list[np.ndarray]:
         """``model.forward_batch``, with its one-token segments known to ``_begin_step`` (so

@@ -918,124 +918,104 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* _
 
 // ------------------------------------------------------------------------------ sampling
 
-// The k largest of each row of x (rows, n): block r writes out[r] = k (id, logit bits) pairs,
-// largest first, equal logits by lower id first (the host's top_logits), NaN below every
-// number, -0.0 as 0.0. A radix select on the logits as ordered 32-bit keys finds the k-th
-// largest key T in four passes of 8 bits over the row (a histogram each, of the keys that
-// share the bits found so far); then the keys above T and the lowest-id keys equal to T are
-// gathered and ranked. The sampler reads back these k pairs instead of the row.
+// The k largest of each row of x (rows, n_vocab), largest first, equal logits by lower id first
+// (the host's top_logits), NaN below every number, -0.0 as 0.0. Each logit becomes a 64-bit
+// key, its float order in the high half and the inverted id in the low half, so that one
+// unsigned comparison orders (logit descending, id ascending) and every key is distinct. A
+// level sorts chunks of up to TOPK_CHUNK keys of a row in shared memory (bitonic, one block
+// per chunk) and keeps each chunk's k largest; the host runs levels until one chunk is left
+// (a 49k vocabulary: 12 chunks, then one of 1536 keys), whose k largest are written as
+// (id, logit bits) pairs. The sampler reads back these k pairs instead of the row. A block's
+// 1024 threads compare 2048 pairs a stage: TOPK_CHUNK is 4096.
 #define TOPK_THREADS 1024
-#define TOPK_MAX 256
+#define TOPK_CHUNK 4096
+typedef unsigned long long u64;
 
-__device__ __forceinline__ unsigned int order_key(float v) {
-    if (v != v) return 0u;
-    if (v == 0.0f) v = 0.0f;
-    const unsigned int u = __float_as_uint(v);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+__device__ __forceinline__ u64 topk_key(float v, int id) {
+    unsigned int o = 0u;  // NaN: below every number
+    if (v == v) {
+        if (v == 0.0f) v = 0.0f;
+        const unsigned int u = __float_as_uint(v);
+        o = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    }
+    return ((u64)o << 32) | (u64)(0xFFFFFFFFu - (unsigned int)id);
 }
 
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
-    top_k_rows(const float* __restrict__ x, int n, int k, int* __restrict__ out) {
-    __shared__ unsigned int hist[256];
-    __shared__ unsigned int s_prefix, s_need, s_ties;
-    __shared__ int s_count;
-    __shared__ unsigned int s_key[TOPK_MAX];
-    __shared__ int s_id[TOPK_MAX];
-    __shared__ int s_warp[TOPK_THREADS / 32];
-    const float* row = x + (i64)blockIdx.x * n;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int n_warps = blockDim.x >> 5;
-    unsigned int prefix = 0u, mask = 0u, need = (unsigned int)k;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = tid; b < 256; b += blockDim.x) hist[b] = 0u;
-        __syncthreads();
-        for (int i0 = 0; i0 < n; i0 += blockDim.x) {  // whole warps: lanes of a bin add once
-            const int i = i0 + tid;
-            unsigned int bin = 0xFFFFFFFFu;
-            if (i < n) {
-                const unsigned int key = order_key(row[i]);
-                if ((key & mask) == prefix) bin = (key >> shift) & 0xFFu;
+// One chunk: keys of x (first level: logits; later: the last level's keys), padded with 0
+// (below every key), sorted descending; its k largest to keys_out, or (final, one chunk) as
+// pairs of the ids and the logits' bits.
+__device__ __forceinline__ void topk_chunk(u64* s, int count, int k, int final,
+                                           u64* __restrict__ keys_out,
+                                           const float* __restrict__ xrow,
+                                           int* __restrict__ pairs) {
+    int size = 2;
+    while (size < count) size <<= 1;
+    for (int i = count + threadIdx.x; i < size; i += blockDim.x) s[i] = 0ull;
+    // warp w compares pairs 64 w .. 64 w + 63, which for strides up to 64 lie in its own
+    // 128 keys: those stages wait for the warp alone, the others for the block
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    bool was_local = false;
+    for (int span = 2; span <= size; span <<= 1) {
+        for (int stride = span >> 1; stride > 0; stride >>= 1) {
+            const bool local = stride <= 64;
+            if (local && was_local) {
+                __syncwarp();
+            } else {
+                __syncthreads();
             }
-            const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-            if (bin != 0xFFFFFFFFu && lane == __ffs(peers) - 1)
-                atomicAdd(&hist[bin], (unsigned int)__popc(peers));
-        }
-        __syncthreads();
-        if (warp == 0) {  // the bin holding the need-th largest: lane l sums bins 255 - 8 l ..
-            unsigned int sum = 0u;
+            was_local = local;
 #pragma unroll
-            for (int j = 0; j < 8; j++) sum += hist[255 - 8 * lane - j];
-            unsigned int incl = sum;
-#pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const unsigned int o = __shfl_up_sync(0xffffffffu, incl, d);
-                if (lane >= d) incl += o;
-            }
-            unsigned int above = incl - sum;  // in the bins of the lanes before this one
-            if (above < need && need <= incl) {
-                int b = 255 - 8 * lane;
-                for (int j = 0; j < 7 && above + hist[b] < need; j++, b--) above += hist[b];
-                s_prefix = prefix | ((unsigned int)b << shift);
-                s_need = need - above;
-                s_ties = hist[b];
-            }
-        }
-        __syncthreads();
-        prefix = s_prefix;
-        need = s_need;
-        mask |= 0xFFu << shift;
-    }
-    // prefix: the k-th largest key T; need: how many keys equal to T are taken; s_ties: how
-    // many there are
-    if (tid == 0) s_count = 0;
-    __syncthreads();
-    const bool all_ties = s_ties == need;
-    for (int i = tid; i < n; i += blockDim.x) {
-        const unsigned int key = order_key(row[i]);
-        if (key > prefix || (all_ties && key == prefix)) {
-            const int at = atomicAdd(&s_count, 1);
-            s_key[at] = key;
-            s_id[at] = i;
-        }
-    }
-    __syncthreads();
-    if (!all_ties) {  // more keys equal T than are taken: the lowest ids, in index order
-        const int base = s_count;
-        unsigned int taken = 0u;
-        for (int i0 = 0; i0 < n && taken < need; i0 += blockDim.x) {
-            const int i = i0 + tid;
-            const bool eq = i < n && order_key(row[i]) == prefix;
-            const unsigned int bal = __ballot_sync(0xffffffffu, eq);
-            if (lane == 0) s_warp[warp] = __popc(bal);
-            __syncthreads();
-            unsigned int off = 0u, total = 0u;
-            for (int w = 0; w < n_warps; w++) {
-                if (w < warp) off += s_warp[w];
-                total += s_warp[w];
-            }
-            if (eq) {
-                const unsigned int r = taken + off + __popc(bal & ((1u << lane) - 1u));
-                if (r < need) {
-                    s_key[base + r] = prefix;
-                    s_id[base + r] = i;
+            for (int h = 0; h < 2; h++) {
+                const int t = warp * 64 + h * 32 + lane;
+                if (t < size / 2) {
+                    const int i = 2 * t - (t & (stride - 1)), j = i + stride;
+                    const bool desc = (i & span) == 0;
+                    const u64 a = s[i], b = s[j];
+                    if ((a < b) == desc) {
+                        s[i] = b;
+                        s[j] = a;
+                    }
                 }
             }
-            taken += total;
-            __syncthreads();
         }
     }
     __syncthreads();
-    if (tid < k) {  // rank: keys descending, ids ascending
-        const unsigned int key = s_key[tid];
-        const int id = s_id[tid];
-        int rank = 0;
-        for (int j = 0; j < k; j++) {
-            const unsigned int kj = s_key[j];
-            rank += kj > key || (kj == key && s_id[j] < id);
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        if (final) {
+            const int id = (int)(0xFFFFFFFFu - (unsigned int)(s[i] & 0xFFFFFFFFull));
+            pairs[2 * i] = id;
+            pairs[2 * i + 1] = __float_as_int(xrow[id]);
+        } else {
+            keys_out[i] = s[i];
         }
-        out[((i64)blockIdx.x * k + rank) * 2] = id;
-        out[((i64)blockIdx.x * k + rank) * 2 + 1] = __float_as_int(row[id]);
     }
+}
+
+// First level: block (c, r) takes logits c * TOPK_CHUNK .. of row r.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
+    top_k_logits(const float* __restrict__ x, int n, int k, int final, u64* __restrict__ keys_out,
+                 int* __restrict__ pairs) {
+    __shared__ u64 s[TOPK_CHUNK];
+    const int c = blockIdx.x, r = blockIdx.y;
+    const float* xrow = x + (i64)r * n;
+    const int at = c * TOPK_CHUNK, count = min(TOPK_CHUNK, n - at);
+    for (int i = threadIdx.x; i < count; i += blockDim.x) s[i] = topk_key(xrow[at + i], at + i);
+    topk_chunk(s, count, k, final, keys_out + ((i64)r * gridDim.x + c) * k, xrow,
+               pairs + (i64)r * k * 2);
+}
+
+// Later levels: block (c, r) takes keys c * TOPK_CHUNK .. of the m keys of row r.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
+    top_k_keys(const u64* __restrict__ keys_in, int m, int k, int final,
+               u64* __restrict__ keys_out, const float* __restrict__ x, int n,
+               int* __restrict__ pairs) {
+    __shared__ u64 s[TOPK_CHUNK];
+    const int c = blockIdx.x, r = blockIdx.y;
+    const u64* in = keys_in + (i64)r * m;
+    const int at = c * TOPK_CHUNK, count = min(TOPK_CHUNK, m - at);
+    for (int i = threadIdx.x; i < count; i += blockDim.x) s[i] = in[at + i];
+    topk_chunk(s, count, k, final, keys_out + ((i64)r * gridDim.x + c) * k, x + (i64)r * n,
+               pairs + (i64)r * k * 2);
 }
 
 // ---------------------------------------------------------------------------- fp16 GEMM input
