@@ -52,6 +52,11 @@ launched and the logits are read back. The contract this relies on is the one th
 already rely on: a model's single-token pass issues the same ops whatever the token and
 the position (``graphs=False`` or ``whole_steps=False`` turn it off).
 
+Logits for the sampler. Where every sequence's sampler needs only a row's largest logits
+(``Segment.top_k``) and a step has at least ``_TOPK_MIN_ROWS`` rows, ``to_host_top`` reads
+back each row's 128 largest as (id, logit) pairs (``top_k_logits``/``top_k_keys``: chunks
+sorted in shared memory) instead of the rows; in a decode graph those are its last nodes.
+
 Fusion. When the graph is captured (``_fuse``), RMS norms that only feed matvecs are folded
 into them (the matvec normalizes x itself, and, with int8 activations, quantizes the
 normalized values), residual adds into the matvec that produces their addend, and with
