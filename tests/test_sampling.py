@@ -130,16 +130,19 @@ def test_stop_strings_release_false_alarm():
 
 @pytest.mark.parametrize("vocab", [50, 49152, 262144])
 def test_top_k_selection_equals_a_stable_sort(vocab):
-    """The single-pass heap top-k: the k largest logits, largest first, ties by lower id
-    (a stable sort's order), on vocabularies of both real models' sizes."""
+    """The single-pass heap top-k (runs that can't enter the heap passed over): the k
+    largest logits, largest first, ties by lower id (a stable sort's order), on
+    vocabularies of both real models' sizes."""
     from picollama.sampling.samplers import _top_k_indices
 
     rng = np.random.default_rng(vocab)
     logits = np.round(rng.standard_normal(vocab) * 3, 1).astype(np.float32)  # many ties
-    for k in (1, 40, 50):
-        k = min(k, vocab)
-        ref = np.lexsort((np.arange(vocab), -logits))[:k]
-        assert np.array_equal(_top_k_indices(logits, k), ref)
+    # random, rising (every run of logits beats the heap's root) and falling (none does)
+    for row in (logits, np.sort(logits), np.sort(logits)[::-1].copy()):
+        for k in (1, 40, 50):
+            k = min(k, vocab)
+            ref = np.lexsort((np.arange(vocab), -row))[:k]
+            assert np.array_equal(_top_k_indices(row, k), ref)
     nan_row = logits.copy()
     nan_row[::3] = np.nan
     c = top_k(Candidates.from_logits(nan_row), 40)

@@ -144,50 +144,63 @@ def _top_k_indices(logits, k):
 
     One pass with a min-heap of ``k`` entries: after the first few thousand logits almost
     none enters the heap, so this costs a compare per logit (an argpartition of a 262k
-    vocabulary takes several milliseconds, a decode step's worth)."""
+    vocabulary takes several milliseconds, a decode step's worth). Once the heap is full,
+    a run of logits none of which beats its root (a later logit equal to it loses the tie)
+    is passed over after counting those that do, a loop that vectorizes."""
     heap_v = np.empty(k, np.float32)
     heap_i = np.empty(k, np.int64)
     size = 0
-    for i in range(logits.shape[0]):
-        v = logits[i]
-        if v != v:  # NaN never wins
-            continue
-        if size < k:
-            j = size
-            size += 1
-        elif v > heap_v[0]:
-            j = 0  # replace the root, then sift it down
-            while True:
-                c = 2 * j + 1
-                if c >= k:
-                    break
-                if c + 1 < k and (
-                    heap_v[c + 1] < heap_v[c]
-                    or (heap_v[c + 1] == heap_v[c] and heap_i[c + 1] > heap_i[c])
-                ):
-                    c += 1
-                if heap_v[c] < v or (heap_v[c] == v and heap_i[c] > i):
-                    heap_v[j] = heap_v[c]
-                    heap_i[j] = heap_i[c]
-                    j = c
+    n = logits.shape[0]
+    run = 256
+    for r0 in range(0, n, run):
+        r1 = min(r0 + run, n)
+        if size == k:
+            root = heap_v[0]
+            beats = 0
+            for t in range(r0, r1):
+                beats += logits[t] > root  # NaN beats nothing
+            if beats == 0:
+                continue
+        for i in range(r0, r1):
+            v = logits[i]
+            if v != v:  # NaN never wins
+                continue
+            if size < k:
+                j = size
+                size += 1
+            elif v > heap_v[0]:
+                j = 0  # replace the root, then sift it down
+                while True:
+                    c = 2 * j + 1
+                    if c >= k:
+                        break
+                    if c + 1 < k and (
+                        heap_v[c + 1] < heap_v[c]
+                        or (heap_v[c + 1] == heap_v[c] and heap_i[c + 1] > heap_i[c])
+                    ):
+                        c += 1
+                    if heap_v[c] < v or (heap_v[c] == v and heap_i[c] > i):
+                        heap_v[j] = heap_v[c]
+                        heap_i[j] = heap_i[c]
+                        j = c
+                    else:
+                        break
+                heap_v[j] = v
+                heap_i[j] = i
+                continue
+            else:
+                continue
+            # sift up a new entry (heap order: smallest value, then highest index, at the root)
+            while j > 0:
+                parent = (j - 1) // 2
+                if heap_v[parent] > v or (heap_v[parent] == v and heap_i[parent] < i):
+                    heap_v[j] = heap_v[parent]
+                    heap_i[j] = heap_i[parent]
+                    j = parent
                 else:
                     break
             heap_v[j] = v
             heap_i[j] = i
-            continue
-        else:
-            continue
-        # sift up a new entry (heap order: smallest value, then highest index, at the root)
-        while j > 0:
-            parent = (j - 1) // 2
-            if heap_v[parent] > v or (heap_v[parent] == v and heap_i[parent] < i):
-                heap_v[j] = heap_v[parent]
-                heap_i[j] = heap_i[parent]
-                j = parent
-            else:
-                break
-        heap_v[j] = v
-        heap_i[j] = i
     out = heap_i[:size].copy()
     vals = heap_v[:size].copy()
     order = np.argsort(-vals, kind="mergesort")  # stable: equal logits keep index order
@@ -197,7 +210,8 @@ def _top_k_indices(logits, k):
     start = 0
     for i in range(1, size + 1):
         if i == size or rv[i] != rv[start]:
-            res[start:i] = np.sort(res[start:i])
+            if i - start > 1:  # a tie
+                res[start:i] = np.sort(res[start:i])
             start = i
     return res
 
