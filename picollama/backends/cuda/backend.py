@@ -436,7 +436,7 @@ def _root(a):
 
 
 def _as_top(a: np.ndarray) -> np.ndarray:
-    """The (rows, K, 2) int32 pairs of ``top_k_rows`` read back, as (rows, K) ``TOP_LOGITS``."""
+    """The (rows, K, 2) int32 pairs of ``_top_k`` read back, as (rows, K) ``TOP_LOGITS``."""
     return a if a.dtype == TOP_LOGITS else a.view(TOP_LOGITS).reshape(a.shape[:2])
 
 
