@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from picollama.sampling.samplers import Candidates, Sampler
+from picollama.sampling.samplers import ban as ban_tokens  # the local ban() wraps it
 
 __all__ = [
     "SpeculativeError",
@@ -291,10 +292,7 @@ class Speculator:
             return hit and not ignore_eos
 
         def ban(row):
-            if banned is not None and len(banned):
-                row = np.array(row, dtype=np.float32)
-                row[banned] = -np.inf
-            return row
+            return ban_tokens(row, banned) if banned is not None and len(banned) else row
 
         token = sampler.sample(ban(logits))
         sampler.accept(token)

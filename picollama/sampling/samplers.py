@@ -117,24 +117,35 @@ def _token_ids(n: int) -> np.ndarray:
 
 
 def apply_penalties(
-    logits: np.ndarray, history: Sequence[int], repeat: float, freq: float, present: float
+    logits: np.ndarray,
+    history: Sequence[int],
+    repeat: float,
+    freq: float,
+    present: float,
+    ids: np.ndarray | None = None,
 ) -> np.ndarray:
     """Repetition, frequency and presence penalties over ``history`` (the last N tokens).
 
-    ``logits`` is the full-vocabulary row (penalties come first in the chain); a new array
-    is returned.
+    ``logits`` is the full-vocabulary row (penalties come first in the chain), or with
+    ``ids`` (ascending) the logits of those tokens alone: history tokens not among them are
+    left out (a penalty only lowers a logit). A new array is returned.
     """
     if not history or (repeat == 1.0 and freq == 0.0 and present == 0.0):
         return logits
     logits = logits.copy()
     for tok, count in Counter(history).items():
-        if not 0 <= tok < len(logits):
+        i = tok
+        if ids is not None:
+            i = int(np.searchsorted(ids, tok))
+            if i == len(ids) or ids[i] != tok:
+                continue
+        elif not 0 <= tok < len(logits):
             continue
-        if logits[tok] <= 0:
-            logits[tok] *= repeat
+        if logits[i] <= 0:
+            logits[i] *= repeat
         else:
-            logits[tok] /= repeat
-        logits[tok] -= count * freq + (count > 0) * present
+            logits[i] /= repeat
+        logits[i] -= count * freq + (count > 0) * present
     return logits
 
 
@@ -393,19 +404,9 @@ class Sampler:
         order = np.argsort(top["id"], kind="stable")
         ids = top["id"][order].astype(np.int64)
         logits = top["logit"][order].astype(np.float32)
-        window = self._window()
-        if _penalized(window, p):
-            logits = logits.copy()
-            at = {int(t): i for i, t in enumerate(ids)}
-            for tok, count in Counter(window).items():
-                i = at.get(tok)
-                if i is None:
-                    continue  # below the largest: lowering it changes nothing
-                if logits[i] <= 0:
-                    logits[i] *= p.repeat_penalty
-                else:
-                    logits[i] /= p.repeat_penalty
-                logits[i] -= count * p.frequency_penalty + (count > 0) * p.presence_penalty
+        logits = apply_penalties(
+            logits, self._window(), p.repeat_penalty, p.frequency_penalty, p.presence_penalty, ids
+        )
         return Candidates(ids, logits)
 
     def _chain(self, c: Candidates) -> Candidates:
