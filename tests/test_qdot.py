@@ -225,12 +225,13 @@ def batch_mismatches(qtype: GGMLType) -> list[tuple[int, int, int]]:
     """(k, n, start) of every n-row matmul (n = 1..17) of rows ``start..start+n-1`` of x whose
     result is not, bit for bit, those rows' results computed one at a time. Sizes are
     awkward: 37 weight rows (tasks of uneven length), k off the larger multiples (and, for
-    float weights, off the 32-wide chunk, so the zero-padded tail runs)."""
+    float weights, off the 32-wide chunk, so the zero-padded tail runs; for the 32-weight
+    types, 71 blocks: a whole chunk of ``vec_dot_packed``'s scale buffer and a part)."""
     from picollama.backends.cpu.bench_qdot import random_weights
 
     rng = np.random.default_rng(int(qtype))
     block = GGML_TYPES[qtype].block_size
-    ks = {1: (33, 577), 32: (32 * 7,), 256: (256 * 3,)}[block]
+    ks = {1: (33, 577), 32: (32 * 7, 32 * 71), 256: (256 * 3,)}[block]
     bad = []
     for k in ks:
         w = random_weights(rng, qtype, 37, k)

@@ -48,7 +48,6 @@ from picollama.backends.cpu.qdot_act import (
     quantize_rows,
 )
 from picollama.backends.cpu.simd import (
-    HAS_AVX512BW,
     LEGACY_TYPES,
     PACKED_OFFSET,
     SIMD_TYPES,
@@ -212,9 +211,9 @@ def _quant_kernel(qtype: int):
     return kernel
 
 
-# Rows of x a packed vec_dot pass takes at most: two rows share a 512-bit accumulator on
-# AVX-512, so 8 rows hold 4 of its 32 registers; with 256-bit ones, 4 rows (more spill).
-PACKED_GROUP = 8 if HAS_AVX512BW else 4
+# Rows of x a packed vec_dot pass takes at most: 8 accumulators (two rows share a 512-bit
+# one on AVX-512; with AVX2 8 of the 16 registers, the rows' scales broadcast from memory)
+PACKED_GROUP = 8
 
 
 def _vec_dot_packed_few(qtype, count, w, r, xqp, xdp, xsp, xcp, t, out, i):

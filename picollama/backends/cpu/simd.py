@@ -349,6 +349,12 @@ def _legacy_weights(qtype):
     return weights
 
 
+# blocks of a ``vec_dot_packed`` chunk: their scales wait in a stack buffer of
+# _PACKED_CHUNK x n_rows floats (2 KB) while their integer dots run; a row of up to 2048
+# weights is one chunk, so each weight row is one pass of each loop
+_PACKED_CHUNK = 64
+
+
 def _define_packed(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     """A 32-weight type's vec_dot of one weight row with ``n_rows`` rows of packed
     activations (``vec_dot_packed``).
@@ -374,7 +380,10 @@ def _define_packed(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Functi
         return fn
     w, xq, sq, xd, sd, xs, yc, sc, nb, out, so = fn.args
     entry = fn.append_basic_block("entry")
+    outer = fn.append_basic_block("outer")
+    pre = fn.append_basic_block("pre")
     loop = fn.append_basic_block("loop")
+    latch = fn.append_basic_block("latch")
     done = fn.append_basic_block("done")
     b = ir.IRBuilder(entry)
     o = _Ops(b)
@@ -393,19 +402,59 @@ def _define_packed(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Functi
         v = b.insert_element(ir.Constant(vn, None), value, ir.Constant(I32, 0))
         return b.shuffle_vector(v, v, _mask([0] * n_rows))
 
-    b.branch(loop)
-    b.position_at_end(loop)
-    i = b.phi(I64)
+    # the blocks go in chunks of _PACKED_CHUNK: first the rows' scales of a chunk's blocks
+    # into a buffer on the stack (and the min terms into ``summs``), then its integer dots,
+    # each row's scale broadcast from that buffer (a load, where taking lane r of a register
+    # costs one or two shuffles a row)
+    buf = b.alloca(ir.ArrayType(F32, _PACKED_CHUNK * n_rows))
+    b.branch(outer)
+
+    b.position_at_end(outer)
+    b0 = b.phi(I64)
     accs = [b.phi(_vec(F32, 8 * len(g))) for g in groups]
     summs = b.phi(vn) if with_sum else None
-    dx, m, qx = _legacy_weights(qtype)(o, w, i)
+    left = b.sub(nb, b0)
+    chunk = ir.Constant(I64, _PACKED_CHUNK)
+    count = b.select(b.icmp_unsigned("<", left, chunk), left, chunk)
+    # the weights PREFETCH_AHEAD bytes on, as in the decode dots (a task's rows are one
+    # short stream; 8 rows of x by a model's matrices from DRAM, best of 6 runs: 62 -> 67
+    # GMAC/s, on a noisy host)
+    size = _LEGACY_SIZE[qtype]
+    at = b.add(b.mul(b0, ir.Constant(I64, size)), ir.Constant(I64, PREFETCH_AHEAD))
+    prefetch(b, w, at, size * _PACKED_CHUNK)
+    b.branch(pre)
+
+    b.position_at_end(pre)
+    j = b.phi(I64)
+    summs_p = b.phi(vn) if with_sum else None
+    i = b.add(b0, j)
+    dx, m, _ = _legacy_weights(qtype)(o, w, i)
     dy = b.load(b.bitcast(b.gep(xd, [b.mul(i, sd)]), vn.as_pointer()), align=4)
-    scales = b.fmul(splat_n(dx), dy)  # lane r: the scalar dx * dy of row r
+    at = b.gep(buf, [ir.Constant(I64, 0), b.mul(j, ir.Constant(I64, n_rows))])
+    b.store(b.fmul(splat_n(dx), dy), b.bitcast(at, vn.as_pointer()), align=4)
     if with_sum:
         sy = b.load(b.bitcast(b.gep(xs, [b.mul(i, sd)]), vn.as_pointer()), align=4)
-        summs1 = b.fadd(summs, b.fmul(splat_n(m), sy))
+        summs1 = b.fadd(summs_p, b.fmul(splat_n(m), sy))
+    j1 = b.add(j, ir.Constant(I64, 1))
+    j.add_incoming(ir.Constant(I64, 0), outer)
+    j.add_incoming(j1, pre)
+    if with_sum:
+        summs_p.add_incoming(summs, outer)
+        summs_p.add_incoming(summs1, pre)
+    b.cbranch(b.icmp_unsigned("<", j1, count), pre, loop)
+
+    b.position_at_end(loop)
+    j = b.phi(I64)
+    accs_l = [b.phi(_vec(F32, 8 * len(g))) for g in groups]
+    i = b.add(b0, j)
+    _, _, qx = _legacy_weights(qtype)(o, w, i)
     ax = o.sign(qx, qx) if signed else qx
     qoff = b.mul(i, sq)
+
+    def scale(r):  # lane r of the block's scales: the scalar dx * dy of row r
+        at = b.add(b.mul(j, ir.Constant(I64, n_rows)), ir.Constant(I64, r))
+        return b.load(b.gep(buf, [ir.Constant(I64, 0), at]), align=4)
+
     # VNNI, signed quants: (qx + 128) . qy - 128 * (sum of qy's group of 4), the same exact
     # int32 sums as |qx| . sign(qy, qx) without the per-row sign: the second term comes
     # with the packed rows (``yc``), as vpdpbusd's starting value
@@ -415,7 +464,7 @@ def _define_packed(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Functi
         ax_off2 = b.shuffle_vector(ax_off, ax_off, _mask(list(range(32)) * 2))
         coff = b.mul(i, sc)
     new = []
-    for g, acc in zip(groups, accs, strict=True):
+    for g, acc in zip(groups, accs_l, strict=True):
         if len(g) == 2:
             qy = o.load(xq, b.add(qoff, ir.Constant(I64, 32 * g[0])), _vec(I8, 64))
             qx2 = b.shuffle_vector(qx, qx, _mask(list(range(32)) * 2))
@@ -432,25 +481,38 @@ def _define_packed(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Functi
                 ax2 = b.shuffle_vector(ax, ax, _mask(list(range(32)) * 2))
                 isum = o.dot_us8_512(ax2, sy2)
             q = b.sitofp(isum, _vec(F32, 16))
-            d = b.shuffle_vector(scales, scales, _mask([g[0]] * 8 + [g[1]] * 8))
+            pair = b.insert_element(
+                b.insert_element(ir.Constant(_vec(F32, 2), None), scale(g[0]), ir.Constant(I32, 0)),
+                scale(g[1]),
+                ir.Constant(I32, 1),
+            )
+            d = b.shuffle_vector(pair, pair, _mask([0] * 8 + [1] * 8))
             fn16 = o._intrinsic("llvm.fma.v16f32", _vec(F32, 16), [_vec(F32, 16)] * 3)
             new.append(b.call(fn16, [d, q, acc]))
         else:
             qy = o.load(xq, b.add(qoff, ir.Constant(I64, 32 * g[0])), _vec(I8, 32))
             sy1 = o.sign(qy, qx) if signed else qy
             q = o.mul_sum_us8_pairs_float(ax, sy1)
-            d = b.shuffle_vector(scales, scales, _mask([g[0]] * 8))
-            new.append(o.fma8(d, q, acc))
-    i1 = b.add(i, ir.Constant(I64, 1))
-    i.add_incoming(ir.Constant(I64, 0), entry)
-    i.add_incoming(i1, b.block)
+            new.append(o.fma8(o.splat8(scale(g[0])), q, acc))
+    j1 = b.add(j, ir.Constant(I64, 1))
+    j.add_incoming(ir.Constant(I64, 0), pre)
+    j.add_incoming(j1, loop)
+    for phi, acc0, acc1 in zip(accs_l, accs, new, strict=True):
+        phi.add_incoming(acc0, pre)
+        phi.add_incoming(acc1, loop)
+    b.cbranch(b.icmp_unsigned("<", j1, count), loop, latch)
+
+    b.position_at_end(latch)
+    b1 = b.add(b0, chunk)
+    b0.add_incoming(ir.Constant(I64, 0), entry)
+    b0.add_incoming(b1, latch)
     for g, phi, acc1 in zip(groups, accs, new, strict=True):
         phi.add_incoming(zeros(8 * len(g)), entry)
-        phi.add_incoming(acc1, b.block)
+        phi.add_incoming(acc1, latch)
     if with_sum:
         summs.add_incoming(zeros(n_rows), entry)
-        summs.add_incoming(summs1, b.block)
-    b.cbranch(b.icmp_unsigned("<", i1, nb), loop, done)
+        summs.add_incoming(summs1, latch)
+    b.cbranch(b.icmp_unsigned("<", b1, nb), outer, done)
     b.position_at_end(done)
     for g, acc1 in zip(groups, new, strict=True):
         for t, r in enumerate(g):
