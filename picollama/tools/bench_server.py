@@ -175,8 +175,8 @@ def profile_steps(
     sched.engine_step = timed("(forward)", engine_step)
     print(f"threads {numba.get_num_threads()}, {n_steps} decode steps per level")
     runs = [(n, True) for n in levels]
-    if 1 in levels and hasattr(be, "compiled_steps"):
-        runs.insert(levels.index(1) + 1, (1, False))  # one slot op by op, beside the others
+    if hasattr(be, "compiled_steps"):  # each level op by op too, beside its compiled step
+        runs = [(n, c) for n in levels for c in (True, False)]
     try:
         for n, compiled in runs:
             if hasattr(be, "compiled_steps"):
