@@ -248,19 +248,50 @@ def _vec_dot_packed_few_overload(qtype, count, w, r, xqp, xdp, xsp, xcp, t, out,
     return impl
 
 
+@njit(cache=True)
+def _pack_blocks(xq, xd, xs, with_sum, with_offset):
+    """A batch's quantized activations block-major for ``vec_dot_packed``, as the four
+    arrays of ``_simd_parts``' quantize: quants (nb, 32 n), scales (nb, n), Q8_1 sums
+    (nb, n) (else (nb, 0)) and VNNI offsets, -128 times the sums of the quants four by four
+    (nb, 8 n) (else (nb, 0)). Done once a call, before the tasks split the weight rows."""
+    n, k = xq.shape
+    nb = k // 32
+    xqp = np.empty((nb, n * 32), np.int8)
+    xdp = np.empty((nb, n), np.float32)
+    xsp = np.empty((nb, n if with_sum else 0), np.float32)
+    xcp = np.empty((nb, n * 8 if with_offset else 0), np.int32)
+    for u in range(n):
+        for blk in range(nb):
+            xdp[blk, u] = xd[u, blk]
+            if with_sum:
+                xsp[blk, u] = xs[u, blk]
+            for j in range(32):
+                xqp[blk, 32 * u + j] = xq[u, 32 * blk + j]
+            if with_offset:
+                for g in range(8):
+                    e = 32 * blk + 4 * g
+                    s4 = np.int32(xq[u, e]) + np.int32(xq[u, e + 1])
+                    s4 += np.int32(xq[u, e + 2]) + np.int32(xq[u, e + 3])
+                    xcp[blk, 8 * u + g] = -128 * s4
+    return xqp, xdp, xsp, xcp
+
+
 @functools.cache
 def _simd_parts(qtype: int):
     """(quantize, rows) for a type with a SIMD block dot (``simd.vec_dot_rows``).
 
     ``quantize(x)`` converts the activation rows to the type's dot type (in parallel over
     rows for a batch) and returns ``(xq, xd, xs, bsums)``, ``xs`` for Q8_1 each block's
-    scale and sum side by side (n, 2 * blocks); ``rows(w, xq, xd, xs, bsums,
-    out, r_lo, r_hi)`` fills ``out[:, r_lo:r_hi]``: for decode row by row, for a batch each
-    weight row once per tile of x rows, dotted with several x rows at a time."""
+    scale and sum side by side (n, 2 * blocks); for a batch of a 32-weight type, the four
+    are ``_pack_blocks``' block-major copies instead, which every task reads. ``rows(w,
+    xq, xd, xs, bsums, out, r_lo, r_hi)`` fills ``out[:, r_lo:r_hi]`` (``out``'s rows say
+    which layout it got): for decode row by row, for a batch each weight row once per tile
+    of x rows, dotted with several x rows at a time."""
     qtype = int(qtype)
     vtype = VEC_DOT_TYPE[GGMLType(qtype)]
     k_quant = vtype == GGMLType.Q8_K
     with_sum = vtype == GGMLType.Q8_1
+    with_offset = GGMLType(qtype) in PACKED_OFFSET
 
     @njit(cache=True, parallel=True)
     def quantize(x):
@@ -295,6 +326,8 @@ def _simd_parts(qtype: int):
                         sbits[i : i + 1],
                         with_sum,
                     )
+            if n > 1:
+                return _pack_blocks(xq, xd, xs, with_sum, with_offset)
             if with_sum:
                 # the SIMD dots read a block's scale and sum as one pair
                 pairs = np.empty((n, 2 * nb), np.float32)
@@ -330,46 +363,27 @@ def _simd_parts(qtype: int):
                 elif i1 - i == 1:
                     vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, i, out)
 
-    with_offset = GGMLType(qtype) in PACKED_OFFSET
-
     @njit(inline="always")
     def rows_legacy(w, xq, xd, xs, bsums, out, r_lo, r_hi):
-        n = xq.shape[0]
+        n = out.shape[0]
         if n == 1:
             for r in range(r_lo, r_hi):
                 vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, 0, out)
             return
-        if r_hi <= r_lo:
-            return
-        # a batch: the task's copy of a tile of x rows, block-major (``vec_dot_packed``),
-        # then each weight row read from memory once per tile and its blocks unpacked once
-        # per pass over up to PACKED_GROUP rows
-        nb = xd.shape[1]
+        # a batch: quantize packed x block-major (``_pack``: xq, xd, xs, bsums are then
+        # the packed quants, scales, sums and offsets); each weight row is read from memory
+        # once per tile of x rows and its blocks unpacked once per pass over up to
+        # PACKED_GROUP rows
         for i0 in range(0, n, TILE_ROWS):
             c = min(n, i0 + TILE_ROWS) - i0
-            xqp = np.empty((nb, c * 32), np.int8)
-            xdp = np.empty((nb, c), np.float32)
-            xsp = np.empty((nb, c if with_sum else 0), np.float32)
-            xcp = np.empty((nb, c * 8 if with_offset else 0), np.int32)
-            for u in range(c):
-                for blk in range(nb):
-                    xdp[blk, u] = xd[i0 + u, blk]
-                    if with_sum:
-                        xsp[blk, u] = xs[i0 + u, 2 * blk + 1]
-                    for j in range(32):
-                        xqp[blk, 32 * u + j] = xq[i0 + u, 32 * blk + j]
-                    if with_offset:
-                        for g in range(8):
-                            e = 32 * blk + 4 * g
-                            s4 = np.int32(xq[i0 + u, e]) + np.int32(xq[i0 + u, e + 1])
-                            s4 += np.int32(xq[i0 + u, e + 2]) + np.int32(xq[i0 + u, e + 3])
-                            xcp[blk, 8 * u + g] = -128 * s4
             for r in range(r_lo, r_hi):
                 t = 0
                 while t + PACKED_GROUP <= c:
-                    vec_dot_packed(qtype, PACKED_GROUP, w, r, xqp, xdp, xsp, xcp, t, out, i0 + t)
+                    vec_dot_packed(
+                        qtype, PACKED_GROUP, w, r, xq, xd, xs, bsums, i0 + t, out, i0 + t
+                    )
                     t += PACKED_GROUP
-                _vec_dot_packed_few(qtype, c - t, w, r, xqp, xdp, xsp, xcp, t, out, i0 + t)
+                _vec_dot_packed_few(qtype, c - t, w, r, xq, xd, xs, bsums, i0 + t, out, i0 + t)
 
     rows = rows_legacy if GGMLType(qtype) in LEGACY_TYPES else rows_k
     return quantize, rows
