@@ -213,3 +213,54 @@ def test_top_needed_is_zero_where_the_whole_row_counts():
     for t in (1, 2, 2, 3):
         s.accept(t)
     assert s.top_needed(1) == 40 + 3 + 1  # three distinct tokens in the window, one banned
+
+
+def test_the_compiled_chain_draws_what_the_step_by_step_chain_draws(monkeypatch):
+    """``Sampler.sample`` runs the default chain (top-k, top-p, min-p, temperature) in one
+    compiled call with one uniform draw; it must draw every token the step-by-step chain
+    (``_chain`` then ``_draw``, which draws with ``Generator.choice``) draws from the same
+    seed, through rows with ties, banned (-inf) tokens and penalties, for top-k up to and
+    past the compiled chain's limit, so that the generator is used alike as well."""
+    from picollama.sampling import samplers
+
+    rng = np.random.default_rng(5)
+    fast = step = 0
+    chain = Sampler._chain
+
+    def counted(self, c):
+        nonlocal step
+        step += 1
+        return chain(self, c)
+
+    for case in range(300):
+        n_vocab = int(rng.integers(50, 3000))
+        row = (rng.standard_normal(n_vocab) * rng.uniform(0.1, 8)).astype(np.float32)
+        if case % 3 == 0:
+            row = np.round(row)  # ties
+        if case % 5 == 0:
+            row[rng.integers(0, n_vocab, 5)] = -np.inf
+        params = dict(
+            temperature=float(rng.choice([0.2, 0.8, 1.7])),
+            top_k=int(rng.choice([1, 2, 5, 40, samplers.FAST_CHAIN_MAX, 200])),
+            top_p=float(rng.choice([0.5, 0.95, 1.0])),
+            min_p=float(rng.choice([0.0, 0.05, 0.3])),
+            min_keep=int(rng.choice([0, 1, 3])),
+            repeat_penalty=float(rng.choice([1.0, 1.3])),
+            seed=int(rng.integers(0, 1 << 30)),
+        )
+        got = Sampler(SamplingParams(**params), n_vocab)
+        want = Sampler(SamplingParams(**params), n_vocab)
+        for t in rng.integers(0, n_vocab, 10).tolist():
+            got.accept(t)
+            want.accept(t)
+        for _ in range(4):
+            monkeypatch.setattr(Sampler, "_chain", counted)
+            before = step
+            a = got.sample(row)
+            fast += step == before
+            monkeypatch.setattr(Sampler, "_chain", chain)
+            b = want._draw(want._chain(want._prepared(row)))
+            assert a == b, (case, params, a, b)
+            got.accept(a)
+            want.accept(b)
+    assert fast > 600  # most cases took the compiled chain
