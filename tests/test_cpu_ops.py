@@ -166,3 +166,44 @@ def test_ggml_expf_silu_gelu():
     # and in the value, so a few 1e-3 of |x| at most
     np.testing.assert_allclose(gelu_mul(g, u), gelu, rtol=0, atol=4e-3 * np.abs(g * u).max())
     assert gelu_mul(np.float32([[-11.0, 12.0]]), np.float32([[2.0, 2.0]])).tolist() == [[0, 24]]
+
+
+def test_activations_by_column_ranges_are_the_whole_rows_bits():
+    """The compiled step's tasks each apply SiLU / GELU to their own columns of a gated
+    product: the pieces must be the one pass's bits, the rows' tails (past their last full
+    group of 8, where ggml's SiLU takes libm's expf instead of its vector exp) included."""
+    from picollama.backends.cpu.ggml_math import (
+        _gelu_mul_cols,
+        _silu_mul_cols,
+        expf,
+        gelu_mul,
+        gelu_table,
+        silu_mul,
+        v_expf,
+    )
+
+    g, u = _rand(3, 37) * 6, _rand(3, 37)  # 37 columns: a tail of 5
+    # values whose two exps differ, in the full groups and in the tail
+    pool = (_rand(1, 4000) * 6).reshape(-1)
+    differ = [x for x in pool if v_expf(-x) != expf(-x)][:6]
+    assert len(differ) == 6
+    g[0, [3, 20, 33, 34, 35, 36]] = differ
+    one = np.float32(1.0)
+    want = np.array(
+        [
+            [
+                x / (one + (v_expf(-x) if i < 32 else expf(-x))) * y
+                for i, (x, y) in enumerate(zip(gr, ur, strict=True))
+            ]
+            for gr, ur in zip(g, u, strict=True)
+        ],
+        np.float32,
+    )
+    assert silu_mul(g, u).tobytes() == want.tobytes()
+    for cuts in ((0, 37), (0, 30, 37), (0, 10, 31, 33, 37), (0, 1, 2, 36, 37)):
+        silu, gelu = np.zeros_like(g), np.zeros_like(g)
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+            _silu_mul_cols(g, u, silu, lo, hi)
+            _gelu_mul_cols(g, u, gelu, gelu_table(), lo, hi)
+        assert silu.tobytes() == want.tobytes(), cuts
+        assert gelu.tobytes() == gelu_mul(g, u).tobytes(), cuts

@@ -81,16 +81,24 @@ def hsum8_f32(v, i0):
 
 
 @nb.njit(**_JIT)
-def _silu_mul(gate, up, out):
+def _silu_mul_cols(gate, up, out, lo, hi):
+    """``_silu_mul`` of columns ``lo..hi`` only, each element as the whole row's pass
+    computes it (``v_expf`` in the row's full groups of 8, ``expf`` in its tail), so that
+    tasks that each take a range of columns give the one pass's bits."""
     n_rows, n = gate.shape
-    vec = n - n % 8
+    mid = min(max(n - n % 8, lo), hi)
     for r in range(n_rows):
-        for i in range(vec):
+        for i in range(lo, mid):
             x = gate[r, i]
             out[r, i] = (x / (_F(1.0) + v_expf(_F(0.0) - x))) * up[r, i]
-        for i in range(vec, n):
+        for i in range(mid, hi):
             x = gate[r, i]
             out[r, i] = (x / (_F(1.0) + expf(-x))) * up[r, i]  # ggml_silu_f32
+
+
+@nb.njit(**_JIT)
+def _silu_mul(gate, up, out):
+    _silu_mul_cols(gate, up, out, 0, gate.shape[1])
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -126,10 +134,10 @@ def gelu_table() -> np.ndarray:
 
 
 @nb.njit(**_JIT)
-def _gelu_mul(gate, up, out, table):
-    n_rows, n = gate.shape
-    for r in range(n_rows):
-        for i in range(n):
+def _gelu_mul_cols(gate, up, out, table, lo, hi):
+    """``_gelu_mul`` of columns ``lo..hi`` only (an element's value is its own alone)."""
+    for r in range(gate.shape[0]):
+        for i in range(lo, hi):
             x = gate[r, i]
             if x <= _F(-10.0):
                 out[r, i] = 0.0
@@ -137,6 +145,11 @@ def _gelu_mul(gate, up, out, table):
                 out[r, i] = x * up[r, i]
             else:
                 out[r, i] = table[np.int64(f16_bits(x))] * up[r, i]
+
+
+@nb.njit(**_JIT)
+def _gelu_mul(gate, up, out, table):
+    _gelu_mul_cols(gate, up, out, table, 0, gate.shape[1])
 
 
 def gelu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

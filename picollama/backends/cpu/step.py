@@ -236,13 +236,15 @@ def _product_rows(qt, wmeta, wid, act, out, lo, hi):
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
-def _matmuls(arena, src, n, k, wmeta, ins, n_tasks):
+def _matmuls(arena, src, n, k, wmeta, ins, n_tasks, act, act_dst, gelu):
     """Up to three products of one activation (n, k) (``ins``: rows of (wid, dst, m), wid
     -1 for none) in one parallel region, a row range of each per task (an absent product
     has 0 rows); x is converted once per weight type. One region, whatever the types: each
     prange loop compiles the kernels it calls into its own code, so one loop, not the four
     of a path per kind of types, keeps the first run's compile shorter (SmolLM2's first
-    step, 2 cores: 73 -> 66 s)."""
+    step, 2 cores: 73 -> 66 s). ``act`` 0 (SiLU) or 1 (GELU, ``gelu`` its table): the first
+    two products are a gate and an up, and each task writes act(gate) * up of its columns
+    at ``act_dst`` (-1: none), the same bits as one pass over the rows (``ggml_math``)."""
     x = arena[src : src + n * k].reshape(n, k)
     q0 = wmeta[ins[0, 0], 3]
     q1 = wmeta[ins[1, 0], 3] if ins[1, 0] >= 0 else q0
@@ -257,10 +259,17 @@ def _matmuls(arena, src, n, k, wmeta, ins, n_tasks):
     o0 = arena[ins[0, 1] : ins[0, 1] + n * m0].reshape(n, m0)
     o1 = arena[max(ins[1, 1], 0) : max(ins[1, 1], 0) + n * m1].reshape(n, m1)
     o2 = arena[max(ins[2, 1], 0) : max(ins[2, 1], 0) + n * m2].reshape(n, m2)
+    out = arena[max(act_dst, 0) : max(act_dst, 0) + (n * m0 if act >= 0 else 0)]
+    out = out.reshape(n, m0 if act >= 0 else 0)
     for t in prange(n_tasks):
-        _product_rows(q0, wmeta, i0, a0, o0, t * m0 // n_tasks, (t + 1) * m0 // n_tasks)
+        lo, hi = t * m0 // n_tasks, (t + 1) * m0 // n_tasks
+        _product_rows(q0, wmeta, i0, a0, o0, lo, hi)
         _product_rows(q1, wmeta, i1, a1, o1, t * m1 // n_tasks, (t + 1) * m1 // n_tasks)
         _product_rows(q2, wmeta, i2, a2, o2, t * m2 // n_tasks, (t + 1) * m2 // n_tasks)
+        if act == 0:  # m1 == m0: this task's up rows are its gate rows
+            ggml_math._silu_mul_cols(o0, o1, out, lo, hi)
+        elif act == 1:
+            ggml_math._gelu_mul_cols(o0, o1, out, gelu, lo, hi)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -323,16 +332,10 @@ def _run(
                 ins[j, 0] = c[3 + 3 * j]
                 ins[j, 1] = c[4 + 3 * j]
                 ins[j, 2] = c[5 + 3 * j]
-            _matmuls(arena, c[1], n, c[2], wmeta, ins, n_tasks)
-            if op == _OP_GATED:
-                m = c[5]
-                g = arena[c[4] : c[4] + n * m].reshape(n, m)
-                u = arena[c[7] : c[7] + n * m].reshape(n, m)
-                out = arena[c[10] : c[10] + n * m].reshape(n, m)
-                if c[12] == 0:
-                    ggml_math._silu_mul(g, u, out)
-                else:
-                    ggml_math._gelu_mul(g, u, out, gelu)
+            if op == _OP_GATED:  # the activation inside the products' parallel region
+                _matmuls(arena, c[1], n, c[2], wmeta, ins, n_tasks, c[12], c[10], gelu)
+            else:
+                _matmuls(arena, c[1], n, c[2], wmeta, ins, n_tasks, -1, -1, gelu)
         elif op == _OP_SILU_MUL or op == _OP_GELU_MUL:
             # [op, gate, up, dst, rows, m]
             n, m = c[4], c[5]
