@@ -370,9 +370,9 @@ def _simd_parts(qtype: int):
             for r in range(r_lo, r_hi):
                 vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, 0, out)
             return
-        # a batch: quantize packed x block-major (``_pack``: xq, xd, xs, bsums are then
-        # the packed quants, scales, sums and offsets); each weight row is read from memory
-        # once per tile of x rows and its blocks unpacked once per pass over up to
+        # a batch: quantize packed x block-major (``_pack_blocks``: xq, xd, xs, bsums are
+        # then the packed quants, scales, sums and offsets); each weight row is read from
+        # memory once per tile of x rows and its blocks unpacked once per pass over up to
         # PACKED_GROUP rows
         for i0 in range(0, n, TILE_ROWS):
             c = min(n, i0 + TILE_ROWS) - i0
