@@ -511,7 +511,7 @@ class Sampler:
         keep = max(p.min_keep, 1)
         k = max(p.top_k, keep)
         simple = p.temperature > 0.0 and p.typical_p >= 1.0 and p.top_k > 0
-        if not simple or k >= len(c) or k > FAST_CHAIN_MAX or c.sorted:
+        if not simple or k >= len(c) or k > FAST_CHAIN_MAX:
             return self._draw(self._chain(c))
         logits = np.ascontiguousarray(c.logits, np.float32)
         part, cdf, ok = _fast_chain(logits, k, p.top_p, p.min_p, keep, p.temperature)

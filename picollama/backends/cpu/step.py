@@ -259,8 +259,8 @@ def _matmuls(arena, src, n, k, wmeta, ins, n_tasks, act, act_dst, gelu):
     o0 = arena[ins[0, 1] : ins[0, 1] + n * m0].reshape(n, m0)
     o1 = arena[max(ins[1, 1], 0) : max(ins[1, 1], 0) + n * m1].reshape(n, m1)
     o2 = arena[max(ins[2, 1], 0) : max(ins[2, 1], 0) + n * m2].reshape(n, m2)
-    out = arena[max(act_dst, 0) : max(act_dst, 0) + (n * m0 if act >= 0 else 0)]
-    out = out.reshape(n, m0 if act >= 0 else 0)
+    m_act = m0 if act >= 0 else 0
+    out = arena[max(act_dst, 0) : max(act_dst, 0) + n * m_act].reshape(n, m_act)
     for t in prange(n_tasks):
         lo, hi = t * m0 // n_tasks, (t + 1) * m0 // n_tasks
         _product_rows(q0, wmeta, i0, a0, o0, lo, hi)
@@ -332,10 +332,9 @@ def _run(
                 ins[j, 0] = c[3 + 3 * j]
                 ins[j, 1] = c[4 + 3 * j]
                 ins[j, 2] = c[5 + 3 * j]
-            if op == _OP_GATED:  # the activation inside the products' parallel region
-                _matmuls(arena, c[1], n, c[2], wmeta, ins, n_tasks, c[12], c[10], gelu)
-            else:
-                _matmuls(arena, c[1], n, c[2], wmeta, ins, n_tasks, -1, -1, gelu)
+            # a gated product's activation runs inside the products' parallel region
+            act, dst = (c[12], c[10]) if op == _OP_GATED else (-1, -1)
+            _matmuls(arena, c[1], n, c[2], wmeta, ins, n_tasks, act, dst, gelu)
         elif op == _OP_SILU_MUL or op == _OP_GELU_MUL:
             # [op, gate, up, dst, rows, m]
             n, m = c[4], c[5]
