@@ -106,8 +106,8 @@ WORKSPACE_BYTES = 256 << 20  # the prefill tiles of dequantized weight (float32 
 _ATT_MAXD = 256  # head_dim limit of the attention kernel (ops.cu)
 _ATT_SPLIT = 512  # decode: keys per attention block before the range is split further
 _ATT_MAX_SPLITS = 64
-_ATT_MIN_KEYS = 32  # decode, GQA kernel: cache positions per split at least
-_ATT_SPLIT_KEYS = 4  # decode, GQA kernel: keys per split at least (one per warp)
+_ATT_SPLIT_KEYS = 128  # decode, GQA kernel: keys per split at least (a tile: one a thread)
+_ATT_GROUPS = (1, 2, 3, 4, 6, 8)  # decode, GQA kernel: the group sizes built (ops.cu)
 _ATT_TILES_MIN = 32  # prompt batches of at least this many rows: attention_tiles_* (ops.cu)
 _ATT_TILE = 32  # queries and keys per tile of attention_tiles_* (FA_BQ, FA_BK)
 _MEM_MARGIN = 64 << 20  # bytes kept free for cuBLAS, the CUDA context and small buffers
@@ -522,7 +522,7 @@ class CUDABackend(Backend):
                 self._k_att_gqa = {
                     (dpl, gb): self._ops.get_function(f"attention_gqa_{dpl}_{gb}")
                     for dpl in (2, 4, 8)
-                    for gb in (1, 2, 4, 8)
+                    for gb in _ATT_GROUPS
                 }
                 self._k_store_rows = self._ops.get_function("store_kv_rows")
                 self._k_add = self._ops.get_function("add")
@@ -2080,7 +2080,7 @@ class CUDABackend(Backend):
         hd, group = cache.head_dim_k, n_heads // cache.n_kv_heads
         if hd != cache.head_dim_v or hd not in (64, 128, 256) or not 1 <= group <= 8:
             return None
-        return self._k_att_gqa[(hd // 32, 1 << (group - 1).bit_length())]
+        return self._k_att_gqa[(hd // 32, min(g for g in _ATT_GROUPS if g >= group))]
 
     def _pdl_at(self, n_blocks: int, per_sm: int = 1) -> int:
         """Where a kernel of ``n_blocks`` blocks, ``per_sm`` of which fit an SM, lets its
@@ -2098,9 +2098,10 @@ class CUDABackend(Backend):
 
     def _gqa_splits(self, cache: KVCache) -> int:
         """Splits of the valid key range for decode: about one block per SM over the KV
-        heads, at most one per 32 positions of the cache."""
+        heads, at most one per tile of positions of the cache (the kernel uses as many as
+        the current range fills with tiles)."""
         per_sm = max(1, self._n_sm // cache.n_kv_heads)
-        return max(1, min(_ATT_MAX_SPLITS, per_sm, cache.n_ctx // _ATT_MIN_KEYS))
+        return max(1, min(_ATT_MAX_SPLITS, per_sm, cache.n_ctx // _ATT_SPLIT_KEYS))
 
     def _binary(self, name, kernel, a, b):
         if self._mode == _EAGER:

@@ -467,21 +467,21 @@ def mvq_sweep(reps: int = 64) -> list[tuple[str, str, float, float]]:
 
 def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
     """(case, microseconds) of the decode attention kernel alone, 8B shape (32 query heads,
-    8 KV heads, head_dim 128, 512 positions), at several positions and KV splits."""
+    8 KV heads, head_dim 128, 4096 positions), at several positions and KV splits."""
     import cupy as cp
 
     from picollama.backends.cuda.backend import CUDABackend, _Launch
 
     be = CUDABackend(graphs=False)
     rng = np.random.default_rng(0)
-    n_ctx, n_heads, n_kv, hd = 512, 32, 8, 128
+    n_ctx, n_heads, n_kv, hd = 4096, 32, 8, 128
     cache = be.new_kv_cache(1, n_ctx, n_kv, hd, hd)
     kv = be.from_host(rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32))
     be.store_kv(cache, 0, kv, kv, 0)
     q = be.from_host(rng.standard_normal((1, n_heads, hd)).astype(np.float32))
     table = be._cache_table([cache])[1][0]  # the kernels' (2, 1) cache pointers
     out = []
-    for pos in (0, 127, 511):
+    for pos in (0, 127, 511, 4095):
         for splits in (1, 4, 16):
             chunk = -(-n_ctx // splits)
             res = be._empty((1, n_heads * hd))
@@ -497,7 +497,7 @@ def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
                 comb = (part, res, np.int32(n_heads), np.int32(hd), np.int32(splits))
                 launches.append(_Launch(be._k_comb, (n_heads, 1), (128,), comb))
             out.append((f"attention pos {pos} splits {splits}", _graph_us(be, launches, reps)))
-        for splits, min_keys in ((1, 1), (16, 1), (16, 8), (16, 16), (16, 32), (32, 8)):
+        for splits, min_keys in ((1, 1), (4, 128), (16, 32), (16, 64), (16, 128), (32, 64)):
             # the GQA kernel: a block per (KV head, split), splits of the valid range of at
             # least min_keys keys
             res = be._empty((1, n_heads * hd))

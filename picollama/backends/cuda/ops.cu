@@ -556,21 +556,33 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 //
 // One token, one block per (KV head, split). The block does the whole group of
 // G = n_heads / n_kv_heads query heads, so each key and value row is read once for the
-// group. Lanes run across head_dim (lane holds dims DPL * lane .. DPL * lane + DPL - 1, so a
-// row is one coalesced load of 2 * HD bytes); the block's 4 warps take keys in turn, two at a
-// time so that four rows are in flight per warp. The valid range [lo, pos] (pos read from the
-// device: a captured graph replays at any position) is cut into equal parts of at least
-// min_keys keys, at most gridDim.y of them (the blocks of unused splits return at once).
-// With one split the block
-// writes the normalized output; with several each block writes (max, sum, unnormalized
-// output) per head to `part`, and the last block of its KV head to finish (a counter per KV
-// head, which that block resets to 0) merges them into out: no second launch.
+// group. The valid range [lo, pos] (pos read from the device: a captured graph replays at
+// any position) is cut into equal parts of at least min_keys keys, at most gridDim.y of them
+// (the blocks of unused splits return at once). A block takes its part in tiles of
+// ATD_KEYS keys, one key a thread:
+//  - scores: each thread takes the whole dot of its key's row with the G queries (the
+//    queries in shared memory, read by every thread at once: a broadcast), so no shuffles
+//    sit on a key's chain and a tile's rows are all in flight together;
+//  - softmax: each warp keeps an online softmax over its own 32 keys of every tile: the
+//    tile's maximum of each head (shuffles) updates the warp's running maximum, and each
+//    lane writes its key's weights exp(s - max) to the warp's part of shared memory;
+//  - values: lanes run across head_dim (lane holds dims DPL * lane .. + DPL - 1, so a value
+//    row is one coalesced load) over the warp's keys, the weights read from shared memory.
+//  No barrier of the block inside the tiles: the warps meet only for the queries and for
+//  the merge of their states at the end.
+// With one split the block writes the normalized output; with several each block writes
+// (max, sum, unnormalized output) per head to `part`, and the last block of its KV head to
+// finish (a counter per KV head, which that block resets to 0) merges them into out: no
+// second launch.
 // With dependent launches the position and the rows of the keys before it were written
 // before the launch before this one began (the step's first copy; earlier steps), so each
-// warp's first keys are loaded before the wait (ATT_PRELOAD); only the current position's
-// row and the queries come from the Q/K/V launch this one waits for.
+// thread's first key row is loaded, and its warp's first value rows prefetched into L1,
+// before the wait (ATT_PRELOAD); only the current position's row and the queries come from
+// the Q/K/V launch this one waits for. (Run 19 replaced a warp per key, whose shuffle
+// reductions made each key a chain of ~300 cycles, with this.)
 
 #define ATD_WARPS 4
+#define ATD_KEYS (ATD_WARPS * 32)  // keys of a tile: one a thread
 
 template <int DPL>
 __device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* f) {
@@ -597,59 +609,18 @@ __device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* f)
     }
 }
 
-// Two keys (scores of the GB heads, one online softmax update for both, weighted values)
-// for one warp; the second only with `two`. Heads past G (GB > G) compute on a copy of the
-// last head's query and are never written: no branch splits the shuffle chains of the heads,
-// so that the compiler interleaves them.
-template <int DPL, int GB>
-__device__ __forceinline__ void gqa_key2(const float (&qr)[GB][DPL], const float* k1,
-                                         const float* v1, const float* k2, const float* v2,
-                                         bool two, float scale, float softcap, float (&m)[GB],
-                                         float (&l)[GB], float (&acc)[GB][DPL]) {
-    float s1[GB], s2[GB];
-#pragma unroll
-    for (int g = 0; g < GB; g++) {
-        float d1 = 0.f, d2 = 0.f;
-#pragma unroll
-        for (int i = 0; i < DPL; i++) {
-            d1 = fmaf(qr[g][i], k1[i], d1);
-            d2 = fmaf(qr[g][i], k2[i], d2);
-        }
-        s1[g] = d1;
-        s2[g] = d2;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-        for (int g = 0; g < GB; g++) {
-            s1[g] += __shfl_xor_sync(0xffffffffu, s1[g], o);
-            s2[g] += __shfl_xor_sync(0xffffffffu, s2[g], o);
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < GB; g++) {
-        float a = s1[g] * scale, b = s2[g] * scale;
-        if (softcap > 0.f) {
-            a = (float)((double)softcap * tanh((double)(a / softcap)));
-            b = (float)((double)softcap * tanh((double)(b / softcap)));
-        }
-        const float m_new = fmaxf(m[g], two ? fmaxf(a, b) : a);
-        const float corr = expf(m[g] - m_new);  // 0 for the first key (m = -inf)
-        const float p1 = expf(a - m_new);
-        const float p2 = two ? expf(b - m_new) : 0.f;
-        l[g] = fmaf(l[g], corr, p1) + p2;
-#pragma unroll
-        for (int i = 0; i < DPL; i++) {
-            acc[g][i] = fmaf(p2, v2[i], fmaf(p1, v1[i], acc[g][i] * corr));
-        }
-        m[g] = m_new;
-    }
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
 
-// ATT_PRELOAD: each warp's first keys' rows before the dependent-launch wait (run 13, H200:
-// 135M Q4_K_M 1313 -> 1401 and 1399 -> 1460 t/s on two machines; 0: every load after it)
+// ATT_PRELOAD: each thread's first key row before the dependent-launch wait, and its warp's
+// first value rows into L1 (run 13, H200, with the earlier warp-per-key loop: 135M Q4_K_M
+// 1313 -> 1401 and 1399 -> 1460 t/s on two machines; 0: every load after it)
 #ifndef ATT_PRELOAD
 #define ATT_PRELOAD 1
+#endif
+#ifndef ATT_FAKE
+#define ATT_FAKE 0
 #endif
 
 // Split partials: out (n_kv, n_splits, G, HD) unnormalized outputs, then (n_kv, n_splits, G)
@@ -661,8 +632,12 @@ __device__ __forceinline__ void attention_gqa_body(
     float softcap, int min_keys, float* __restrict__ out, float* __restrict__ part,
     int* __restrict__ counter, int pdl_at) {
     constexpr int HD = 32 * DPL;
+    constexpr int KCH = HD / 8;                // 16-byte pieces of a key row
+    constexpr int KB = KCH < 8 ? KCH : 8;      // pieces a batch of loads (the first: preloaded)
     __shared__ float sm[ATD_WARPS][GB], sl[ATD_WARPS][GB];
     __shared__ float sacc[ATD_WARPS][GB][HD];
+    __shared__ __align__(16) float sq[GB][HD];  // the group's queries
+    __shared__ float sp[GB][ATD_KEYS];          // a tile's weights (each warp its 32 keys')
     __shared__ int s_last;
     pdl_trigger_at(0, pdl_at);
 #if !ATT_PRELOAD
@@ -670,7 +645,7 @@ __device__ __forceinline__ void attention_gqa_body(
     pdl_trigger_at(1, pdl_at);
 #endif
     const int kvh = blockIdx.x, split = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = threadIdx.x;
     const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
     // the position was copied to the device before the graph's first kernel: it may be read
     // before the wait, and so may every cache row before it (written by earlier steps)
@@ -684,59 +659,146 @@ __device__ __forceinline__ void attention_gqa_body(
     const int s1 = lo + (int)((i64)len * (split + 1) / n_splits);
 
     const i64 stride = (i64)n_kv_heads * HD;
-    const u16* kb = kc + (i64)kvh * HD + lane * DPL;
-    const u16* vb = vc + (i64)kvh * HD + lane * DPL;
-    // KPI keys per warp at a time (their rows' loads in flight together), in pairs; keys past
-    // the end read the last row in range and count for nothing
-    constexpr int KPI = DPL * GB <= 16 ? 4 : 2;
-    float kf[KPI][DPL], vf[KPI][DPL];
-#if ATT_PRELOAD
-    // The warp's first KPI rows go out before the wait, except the row of the current
-    // position, which the Q/K/V launch before this one writes: it is loaded after the wait.
-    // (Same rows, same order, same arithmetic as without: the results don't change.)
-    {
-        const int j = s0 + warp;
+    const u16* kh = kc + (i64)kvh * HD;               // the KV head's key row at position 0
+    const u16* vb = vc + (i64)kvh * HD + lane * DPL;  // this lane's dims of its value row
+    // this thread's key of the first tile (past the end: the last row, counted for nothing)
+    const int jf = s0 + t;
+    const uint4* krf = (const uint4*)(kh + (jf < s1 ? jf : s1 - 1) * stride);
+    const bool early = ATT_PRELOAD && jf < s1 && jf < pos;
+    uint4 kpre[KB];
+    if (early) {
+        // (the current position's rows are the Q/K/V launch's: loaded after the wait)
 #pragma unroll
-        for (int u = 0; u < KPI; u++) {
-            const int jr = min(j + u * ATD_WARPS, s1 - 1);
-            if (j < s1 && jr < pos) {
-                load_halves<DPL>(kb + jr * stride, kf[u]);
-                load_halves<DPL>(vb + jr * stride, vf[u]);
-            }
-        }
+        for (int c = 0; c < KB; c++) kpre[c] = __ldg(krf + c);
+        // lane i: the value lines of its own key, which its warp reads in the value phase
+#pragma unroll
+        for (int c = 0; c < HD / 64; c++) prefetch_l1(vc + jf * stride + (i64)kvh * HD + 64 * c);
     }
+#if ATT_PRELOAD
     pdl_wait();
     pdl_trigger_at(1, pdl_at);
 #endif
-    // the queries' loads (written by the launch before)
-    float qr[GB][DPL], acc[GB][DPL], m[GB], l[GB];
+    if (!early) {
+        // issued before the queries' barrier, so that its latency overlaps theirs
+#pragma unroll
+        for (int c = 0; c < KB; c++) kpre[c] = __ldg(krf + c);
+        if (jf == pos) {
+#pragma unroll
+            for (int c = 0; c < HD / 64; c++) prefetch_l1(vc + jf * stride + (i64)kvh * HD + 64 * c);
+        }
+    }
+#if ATT_FAKE
+    // a diagnostic bound (bench_synthetic --define ATT_FAKE=1): zeros out, no keys taken
+    for (int e = t; e < G * HD; e += ATD_KEYS) out[(i64)kvh * G * HD + e] = 0.f;
+    return;
+#endif
+    // the queries (written by the launch before); heads past G take the last head's query
+    for (int e = t; e < GB * (HD / 4); e += ATD_KEYS) {
+        const int g = e / (HD / 4), d4 = e - g * (HD / 4);
+        const float4* qh = (const float4*)(q + (i64)(kvh * G + min(g, G - 1)) * HD);
+        ((float4*)sq[g])[d4] = qh[d4];
+    }
+    __syncthreads();
+
+    // Each warp's online softmax over its own keys (32 of each tile): its running maximum,
+    // sums and outputs; the warps are merged at the end.
+    float m[GB], l[GB], acc[GB][DPL];
 #pragma unroll
     for (int g = 0; g < GB; g++) {
         m[g] = NEG_INF;
         l[g] = 0.f;
-        const float* qh = q + (i64)(kvh * G + min(g, G - 1)) * HD + lane * DPL;
 #pragma unroll
-        for (int i = 0; i < DPL; i++) {
-            qr[g][i] = qh[i];
-            acc[g][i] = 0.f;
-        }
+        for (int i = 0; i < DPL; i++) acc[g][i] = 0.f;
     }
-    for (int j = s0 + warp; j < s1; j += KPI * ATD_WARPS) {
+    for (int j0 = s0; j0 < s1; j0 += ATD_KEYS) {
+        const int jw = j0 + 32 * warp;    // the warp's first key of the tile
+        const int nk = min(32, s1 - jw);  // its keys there (warp-uniform; <= 0: none)
+        if (nk <= 0) continue;
+        // scores: this lane's key against the group's queries
+        const bool valid = lane < nk;
+        const uint4* kr = (const uint4*)(kh + (valid ? jw + lane : s1 - 1) * stride);
+        float s[GB];
 #pragma unroll
-        for (int u = 0; u < KPI; u++) {
-            const int jr = min(j + u * ATD_WARPS, s1 - 1);
-            if (!ATT_PRELOAD || j != s0 + warp || jr >= pos) {
-                load_halves<DPL>(kb + jr * stride, kf[u]);
-                load_halves<DPL>(vb + jr * stride, vf[u]);
+        for (int g = 0; g < GB; g++) s[g] = 0.f;
+#pragma unroll
+        for (int cb = 0; cb < KCH; cb += KB) {
+            uint4 kw[KB];
+#pragma unroll
+            for (int c = 0; c < KB; c++) kw[c] = (cb == 0 && j0 == s0) ? kpre[c] : __ldg(kr + cb + c);
+#pragma unroll
+            for (int c = 0; c < KB; c++) {
+                const u32 w4[4] = {kw[c].x, kw[c].y, kw[c].z, kw[c].w};
+                float kf[8];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    kf[2 * e] = h2f((u16)(w4[e] & 0xFFFFu));
+                    kf[2 * e + 1] = h2f((u16)(w4[e] >> 16));
+                }
+#pragma unroll
+                for (int g = 0; g < GB; g++) {
+                    const float4 qa = ((const float4*)sq[g])[2 * (cb + c)];
+                    const float4 qb = ((const float4*)sq[g])[2 * (cb + c) + 1];
+                    s[g] = fmaf(qa.x, kf[0], s[g]);
+                    s[g] = fmaf(qa.y, kf[1], s[g]);
+                    s[g] = fmaf(qa.z, kf[2], s[g]);
+                    s[g] = fmaf(qa.w, kf[3], s[g]);
+                    s[g] = fmaf(qb.x, kf[4], s[g]);
+                    s[g] = fmaf(qb.y, kf[5], s[g]);
+                    s[g] = fmaf(qb.z, kf[6], s[g]);
+                    s[g] = fmaf(qb.w, kf[7], s[g]);
+                }
             }
         }
+        float tm[GB];
 #pragma unroll
-        for (int u = 0; u < KPI; u += 2) {
-            if (j + u * ATD_WARPS < s1) {
-                gqa_key2<DPL, GB>(qr, kf[u], vf[u], kf[u + 1], vf[u + 1],
-                                  j + (u + 1) * ATD_WARPS < s1, scale, softcap, m, l, acc);
+        for (int g = 0; g < GB; g++) {
+            float a = s[g] * scale;
+            if (softcap > 0.f) a = (float)((double)softcap * tanh((double)(a / softcap)));
+            s[g] = valid ? a : NEG_INF;
+            tm[g] = s[g];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int g = 0; g < GB; g++) tm[g] = fmaxf(tm[g], __shfl_xor_sync(0xffffffffu, tm[g], o));
+        }
+        // the warp's new maximum, this key's weights, the sums so far rescaled
+#pragma unroll
+        for (int g = 0; g < GB; g++) {
+            const float mx = fmaxf(m[g], tm[g]);
+            const float corr = expf(m[g] - mx);  // 0 for the warp's first keys (m = -inf)
+            m[g] = mx;
+            sp[g][t] = valid ? expf(s[g] - mx) : 0.f;
+            l[g] *= corr;
+#pragma unroll
+            for (int i = 0; i < DPL; i++) acc[g][i] *= corr;
+        }
+        __syncwarp();
+        // values: the warp's keys, 8 rows in flight at a time
+#pragma unroll
+        for (int i0 = 0; i0 < 32; i0 += 8) {
+            if (i0 < nk) {
+                float vf[8][DPL];
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const int jr = jw + min(i0 + u, nk - 1);
+                    load_halves<DPL>(vb + jr * stride, vf[u]);
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    if (i0 + u < nk) {
+#pragma unroll
+                        for (int g = 0; g < GB; g++) {
+                            const float p = sp[g][32 * warp + i0 + u];
+                            l[g] += p;
+#pragma unroll
+                            for (int i = 0; i < DPL; i++) acc[g][i] = fmaf(p, vf[u][i], acc[g][i]);
+                        }
+                    }
+                }
             }
         }
+        __syncwarp();  // the warp's next tile writes its weights
     }
     pdl_trigger_at(2, pdl_at);
 
@@ -852,17 +914,25 @@ __device__ __forceinline__ void attention_gqa_body(
                                     out + z * row, part + z * part_row,                    \
                                     counter + z * n_kv_heads, pdl_at);                     \
     }
+// groups of 3 and 6 heads (SmolLM2-135M, Qwen2.5-1.5B) get their own: every head a thread
+// scores costs its dot, so rounding a group up to 4 or 8 would waste a quarter of them
 ATD_KERNELS(2, 1)
 ATD_KERNELS(2, 2)
+ATD_KERNELS(2, 3)
 ATD_KERNELS(2, 4)
+ATD_KERNELS(2, 6)
 ATD_KERNELS(2, 8)
 ATD_KERNELS(4, 1)
 ATD_KERNELS(4, 2)
+ATD_KERNELS(4, 3)
 ATD_KERNELS(4, 4)
+ATD_KERNELS(4, 6)
 ATD_KERNELS(4, 8)
 ATD_KERNELS(8, 1)
 ATD_KERNELS(8, 2)
+ATD_KERNELS(8, 3)
 ATD_KERNELS(8, 4)
+ATD_KERNELS(8, 6)
 ATD_KERNELS(8, 8)
 
 // ---------------------------------------------------------------------------- elementwise
