@@ -633,7 +633,7 @@ __device__ __forceinline__ void attention_gqa_body(
     int* __restrict__ counter, int pdl_at) {
     constexpr int HD = 32 * DPL;
     constexpr int KCH = HD / 8;                // 16-byte pieces of a key row
-    constexpr int KB = KCH < 8 ? KCH : 8;      // pieces a batch of loads (the first: preloaded)
+    constexpr int KB = KCH < 16 ? KCH : 16;    // pieces a batch of loads (the first: preloaded)
     __shared__ float sm[ATD_WARPS][GB], sl[ATD_WARPS][GB];
     __shared__ float sacc[ATD_WARPS][GB][HD];
     __shared__ __align__(16) float sq[GB][HD];  // the group's queries
