@@ -325,3 +325,22 @@ def test_background_compile_decodes_op_by_op_until_ready(tmp_path, monkeypatch):
             got.append(model.forward(np.array([tok]), len(PROMPT) + i, cache))
         assert backend._steps.program(model).trusted
     assert np.array_equal(np.concatenate(got), want)
+
+
+def test_cache_blocks_are_remembered_per_cache_and_dropped_with_it():
+    """The step checks a cache's layout once (a server's slots step with the same caches):
+    the check is redone when the cache's end layers are other arrays, and the memo keeps
+    no array of a dropped cache alive."""
+    import gc
+
+    be = get_backend("cpu")
+    cache = be.new_kv_cache(4, 64, 2, 8, 8)
+    first = step._cache_blocks(cache)
+    assert first is not None and step._cache_blocks(cache) is first
+    assert first[0].shape == (4, 64, 2, 8)
+    key = id(cache)
+    cache.k[-1] = cache.k[-1].copy()  # the last layer is no longer a view of the block
+    assert step._cache_blocks(cache) is None
+    del cache
+    gc.collect()
+    assert key not in step._BLOCKS

@@ -936,6 +936,7 @@ class _Program:
         self.code = np.ascontiguousarray(both[:n])
         self.embd_offset = int(both[n, 1])
         self.outs = [_Sym(int(both[n + 1 + i, 1]), o.shape) for i, o in enumerate(outs)]
+        self._out_spans = [(o.offset, o.offset + o.size, o.shape) for o in self.outs]
         # (address, rows, row bytes, type) of each weight; the arrays are kept alive here
         self.weights = [np.ascontiguousarray(w.data) for w in tracer.weights]
         self.wmeta = np.array(
@@ -973,12 +974,32 @@ class _Program:
                 ggml_math.gelu_table(),
             )
             arena = self.arena
-            return [arena[o.offset : o.offset + o.size].reshape(o.shape).copy() for o in self.outs]
+            return [arena[a:b].reshape(shape).copy() for a, b, shape in self._out_spans]
+
+
+_BLOCKS: dict[int, tuple] = {}  # id(cache) -> (weakref to it, its end layers' arrays, blocks)
 
 
 def _cache_blocks(cache) -> tuple[np.ndarray, np.ndarray] | None:
     """The cache's (n_layers, n_ctx, n_kv_heads, head_dim) F16 blocks, if its per-layer
-    arrays are views of them (as ``CPUBackend.new_kv_cache`` makes them)."""
+    arrays are views of them (as ``CPUBackend.new_kv_cache`` makes them). Checked once per
+    cache and arrays of its first and last layers (a server's slots step with the same
+    caches for hours); the entry goes when the cache does, so it keeps no array alive."""
+    ends = (cache.k[0], cache.v[0], cache.k[-1], cache.v[-1])
+    key = id(cache)
+    hit = _BLOCKS.get(key)
+    if (
+        hit is not None
+        and hit[0]() is cache
+        and all(a is b for a, b in zip(hit[1], ends, strict=True))
+    ):
+        return hit[2]
+    blocks = _check_blocks(cache)
+    _BLOCKS[key] = (weakref.ref(cache, lambda _, key=key: _BLOCKS.pop(key, None)), ends, blocks)
+    return blocks
+
+
+def _check_blocks(cache) -> tuple[np.ndarray, np.ndarray] | None:
     k0, v0 = cache.k[0], cache.v[0]
     k4, v4 = k0.base, v0.base
     if (
