@@ -292,25 +292,35 @@ def _run(
     for i in range(code.shape[0]):
         c = code[i]
         op = c[0]
+        # (the elementwise loops run over slices, not offsets into the arena: LLVM then
+        # vectorizes them, 4608 adds 6.1 -> 0.5 us; the same float operations)
         if op == _OP_SCALE:
             s = np.float32(fargs[i, 0])
+            x, out = arena[c[1] : c[1] + c[3]], arena[c[2] : c[2] + c[3]]
             for j in range(c[3]):
-                arena[c[2] + j] = arena[c[1] + j] * s
-        elif op == _OP_ADD:
-            for j in range(c[4]):
-                arena[c[3] + j] = arena[c[1] + j] + arena[c[2] + j]
-        elif op == _OP_MUL:
-            for j in range(c[4]):
-                arena[c[3] + j] = arena[c[1] + j] * arena[c[2] + j]
+                out[j] = x[j] * s
+        elif op == _OP_ADD or op == _OP_MUL:
+            a, b = arena[c[1] : c[1] + c[4]], arena[c[2] : c[2] + c[4]]
+            out = arena[c[3] : c[3] + c[4]]
+            if op == _OP_ADD:
+                for j in range(c[4]):
+                    out[j] = a[j] + b[j]
+            else:
+                for j in range(c[4]):
+                    out[j] = a[j] * b[j]
         elif op == _OP_COPY:
+            x, out = arena[c[1] : c[1] + c[3]], arena[c[2] : c[2] + c[3]]
             for j in range(c[3]):
-                arena[c[2] + j] = arena[c[1] + j]
+                out[j] = x[j]
         elif op == _OP_ADD_CONST:
             # [op, src, const, dst, rows, d]
             d = c[5]
+            bias = consts[c[2] : c[2] + d]
             for r in range(c[4]):
+                x = arena[c[1] + r * d : c[1] + (r + 1) * d]
+                out = arena[c[3] + r * d : c[3] + (r + 1) * d]
                 for j in range(d):
-                    arena[c[3] + r * d + j] = arena[c[1] + r * d + j] + consts[c[2] + j]
+                    out[j] = x[j] + bias[j]
         elif op == _OP_SOFTCAP:
             # [op, src, dst, size]; fargs: 1 / cap, cap
             ops._softcap(
@@ -368,10 +378,12 @@ def _run(
             for t in range(n):
                 kc = kl[starts[seg] + t].reshape(-1)
                 vc = vl[starts[seg] + t].reshape(-1)
+                ks = arena[c[1] + t * nk : c[1] + (t + 1) * nk]
+                vs = arena[c[2] + t * nv : c[2] + (t + 1) * nv]
                 for j in range(nk):
-                    kc[j] = f16_bits(arena[c[1] + t * nk + j])
+                    kc[j] = f16_bits(ks[j])
                 for j in range(nv):
-                    vc[j] = f16_bits(arena[c[2] + t * nv + j])
+                    vc[j] = f16_bits(vs[j])
         elif op == _OP_ATTENTION and c[10] > 1:
             _attention_group(code, fargs, i, c[10], arena, cmeta, starts)
         elif op == _OP_ATTENTION and c[10] == 1:
