@@ -25,6 +25,7 @@ op-by-op path's logits exactly.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 
@@ -470,15 +471,12 @@ def _attention_group(code, fargs, first, n, arena, cmeta, starts):
 class _Sym:
     """A symbolic float32 array: a region of the arena with a shape."""
 
-    __slots__ = ("offset", "shape")
+    __slots__ = ("offset", "shape", "size")
 
     def __init__(self, offset: int, shape: tuple[int, ...]):
         self.offset = offset
         self.shape = tuple(int(s) for s in shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        self.size = math.prod(self.shape)  # read on every run of a program: a plain int
 
     @property
     def ndim(self) -> int:
@@ -948,7 +946,6 @@ class _Program:
         self.code = np.ascontiguousarray(both[:n])
         self.embd_offset = int(both[n, 1])
         self.outs = [_Sym(int(both[n + 1 + i, 1]), o.shape) for i, o in enumerate(outs)]
-        self._out_spans = [(o.offset, o.offset + o.size, o.shape) for o in self.outs]
         # (address, rows, row bytes, type) of each weight; the arrays are kept alive here
         self.weights = [np.ascontiguousarray(w.data) for w in tracer.weights]
         self.wmeta = np.array(
@@ -986,7 +983,7 @@ class _Program:
                 ggml_math.gelu_table(),
             )
             arena = self.arena
-            return [arena[a:b].reshape(shape).copy() for a, b, shape in self._out_spans]
+            return [arena[o.offset : o.offset + o.size].reshape(o.shape).copy() for o in self.outs]
 
 
 _BLOCKS: dict[int, tuple] = {}  # id(cache) -> (weakref to it, its end layers' arrays, blocks)

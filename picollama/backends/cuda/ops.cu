@@ -659,34 +659,32 @@ __device__ __forceinline__ void attention_gqa_body(
     const int s1 = lo + (int)((i64)len * (split + 1) / n_splits);
 
     const i64 stride = (i64)n_kv_heads * HD;
-    const u16* kh = kc + (i64)kvh * HD;               // the KV head's key row at position 0
-    const u16* vb = vc + (i64)kvh * HD + lane * DPL;  // this lane's dims of its value row
-    // this thread's key of the first tile (past the end: the last row, counted for nothing)
-    const int jf = s0 + t;
-    const uint4* krf = (const uint4*)(kh + (jf < s1 ? jf : s1 - 1) * stride);
-    const bool early = ATT_PRELOAD && jf < s1 && jf < pos;
+    const u16* kh = kc + (i64)kvh * HD;  // the KV head's key row at position 0
+    const u16* vh = vc + (i64)kvh * HD;  // and its value row
+    const u16* vb = vh + lane * DPL;     // this lane's dims of a value row
+    // this thread's key of the first tile (past the end: the last row, counted for nothing):
+    // its key row into registers and, with `values`, its value row's lines into L1, which
+    // its warp reads in the value phase
+    const int jf = s0 + t, jr0 = jf < s1 ? jf : s1 - 1;
     uint4 kpre[KB];
-    if (early) {
-        // (the current position's rows are the Q/K/V launch's: loaded after the wait)
+    auto load_first = [&](bool values) {
+        const uint4* kr = (const uint4*)(kh + jr0 * stride);
 #pragma unroll
-        for (int c = 0; c < KB; c++) kpre[c] = __ldg(krf + c);
-        // lane i: the value lines of its own key, which its warp reads in the value phase
+        for (int c = 0; c < KB; c++) kpre[c] = __ldg(kr + c);
+        if (values) {
 #pragma unroll
-        for (int c = 0; c < HD / 64; c++) prefetch_l1(vc + jf * stride + (i64)kvh * HD + 64 * c);
-    }
+            for (int c = 0; c < HD / 64; c++) prefetch_l1(vh + jr0 * stride + 64 * c);
+        }
+    };
+    // rows before the position before the wait; the current position's rows are the Q/K/V
+    // launch's: after it, but before the queries' barrier, so that their latencies overlap
+    const bool early = ATT_PRELOAD && jf < s1 && jf < pos;
+    if (early) load_first(true);
 #if ATT_PRELOAD
     pdl_wait();
     pdl_trigger_at(1, pdl_at);
 #endif
-    if (!early) {
-        // issued before the queries' barrier, so that its latency overlaps theirs
-#pragma unroll
-        for (int c = 0; c < KB; c++) kpre[c] = __ldg(krf + c);
-        if (jf == pos) {
-#pragma unroll
-            for (int c = 0; c < HD / 64; c++) prefetch_l1(vc + jf * stride + (i64)kvh * HD + 64 * c);
-        }
-    }
+    if (!early) load_first(jf == pos);
 #if ATT_FAKE
     // a diagnostic bound (bench_synthetic --define ATT_FAKE=1): zeros out, no keys taken
     for (int e = t; e < G * HD; e += ATD_KEYS) out[(i64)kvh * G * HD + e] = 0.f;
