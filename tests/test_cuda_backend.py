@@ -88,6 +88,21 @@ def test_layout_fields_fit_the_ggml_blocks():
         assert f"#define LAYOUT_BLOCK {block}" in layout.quant_source(qtype)
 
 
+def test_build_variant_defines_reach_every_kernel_source(monkeypatch):
+    """PICOLLAMA_CUDA_DEFINES puts its macros ahead of both kinds of kernel source (so the
+    tests can run a build variant before it becomes the default); a bad name is refused."""
+    monkeypatch.delenv(layout.DEFINES_ENV, raising=False)
+    assert layout.build_defines() == ""
+    monkeypatch.setenv(layout.DEFINES_ENV, "ATT_VPRE=1, MVQ_PRELOAD=0,PDL_OFF")
+    head = "#define ATT_VPRE 1\n#define MVQ_PRELOAD 0\n#define PDL_OFF 1\n"
+    assert layout.build_defines() == head
+    assert layout.ops_source().startswith(head)
+    assert layout.quant_source(GGMLType.Q4_K).startswith(head)
+    monkeypatch.setenv(layout.DEFINES_ENV, "ATT VPRE=1")
+    with pytest.raises(BackendError, match="not a macro name"):
+        layout.ops_source()
+
+
 def test_device_layout_regions_are_aligned():
     lay = layout.device_layout(GGMLType.Q6_K, 512, 7)
     assert lay.n_blocks == 14

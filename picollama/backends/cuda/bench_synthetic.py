@@ -192,10 +192,7 @@ def _run_one(
     from picollama.tools.bench import _run_pp, _run_tg
 
     if defines:
-        head = "".join("#define {} {}\n".format(*d.split("=", 1)) for d in defines)
-        ops, quant = layout.ops_source, layout.quant_source
-        layout.ops_source = lambda: head + ops()
-        layout.quant_source = lambda qtype: head + quant(qtype)
+        os.environ[layout.DEFINES_ENV] = ",".join(defines)
     t0 = time.perf_counter()
     backend = CUDABackend(graphs=graphs, arithmetic=arithmetic, dependent_launch=dependent_launch)
     backend.graph_copies = graph_copies
@@ -465,23 +462,28 @@ def mvq_sweep(reps: int = 64) -> list[tuple[str, str, float, float]]:
     return out
 
 
-def attention_bench(reps: int = 50) -> list[tuple[str, float]]:
-    """(case, microseconds) of the decode attention kernel alone, 8B shape (32 query heads,
-    8 KV heads, head_dim 128, 4096 positions), at several positions and KV splits."""
+def attention_bench(
+    reps: int = 50,
+    heads: tuple[int, int, int] = (32, 8, 128),
+    positions: tuple[int, ...] = (0, 127, 511, 4095),
+) -> list[tuple[str, float]]:
+    """(case, microseconds) of the decode attention kernel alone at several positions and KV
+    splits; ``heads``: (query heads, KV heads, head_dim), by default the 8B shape's (the
+    135M's: (9, 3, 64)), over a cache of 4096 positions."""
     import cupy as cp
 
     from picollama.backends.cuda.backend import CUDABackend, _Launch
 
     be = CUDABackend(graphs=False)
     rng = np.random.default_rng(0)
-    n_ctx, n_heads, n_kv, hd = 4096, 32, 8, 128
+    n_ctx, (n_heads, n_kv, hd) = 4096, heads
     cache = be.new_kv_cache(1, n_ctx, n_kv, hd, hd)
     kv = be.from_host(rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32))
     be.store_kv(cache, 0, kv, kv, 0)
     q = be.from_host(rng.standard_normal((1, n_heads, hd)).astype(np.float32))
     table = be._cache_table([cache])[1][0]  # the kernels' (2, 1) cache pointers
     out = []
-    for pos in (0, 127, 511, 4095):
+    for pos in positions:
         for splits in (1, 4, 16):
             chunk = -(-n_ctx // splits)
             res = be._empty((1, n_heads * hd))
@@ -728,8 +730,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernels:
         for name, us, gbs in kernel_bench():
             print(f"matvec {name}: {us:8.1f} us  {gbs:7.0f} GB/s (graph, back to back)")
-        for name, us in attention_bench():
-            print(f"{name}: {us:8.1f} us (graph, back to back; with attn_combine if split)")
+        for heads, positions in (((32, 8, 128), (0, 127, 511, 4095)), ((9, 3, 64), (0, 31, 127))):
+            for name, us in attention_bench(heads=heads, positions=positions):
+                print(
+                    f"{name} heads {heads}: {us:8.1f} us "
+                    "(graph, back to back; with attn_combine if split)"
+                )
         return 0
 
     if args.streams:

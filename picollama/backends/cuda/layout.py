@@ -14,6 +14,7 @@ refuses to compile if the two disagree.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -145,9 +146,28 @@ def _read(name: str) -> str:
     return (_HERE / name).read_text()
 
 
+# build variants for experiments and their tests: "NAME=VALUE,NAME=VALUE" in this variable
+# puts a ``#define`` of each ahead of every kernel source (the kernels' options, such as
+# ops.cu's ATT_VPRE, are ``#ifndef`` defaults); ``bench_synthetic --define`` sets it
+DEFINES_ENV = "PICOLLAMA_CUDA_DEFINES"
+
+
+def build_defines() -> str:
+    """The ``#define`` lines of ``PICOLLAMA_CUDA_DEFINES`` (empty when unset)."""
+    lines = []
+    for item in os.environ.get(DEFINES_ENV, "").split(","):
+        name, _, value = item.strip().partition("=")
+        if not name:
+            continue
+        if not name.isidentifier():
+            raise BackendError(f"{DEFINES_ENV}: {name!r} is not a macro name")
+        lines.append(f"#define {name} {value or 1}\n")
+    return "".join(lines)
+
+
 def ops_source() -> str:
     """CUDA C of the non-matmul ops (common helpers prepended)."""
-    return _read("common.cuh") + "\n" + _read("ops.cu")
+    return build_defines() + _read("common.cuh") + "\n" + _read("ops.cu")
 
 
 def quant_source(qtype: GGMLType) -> str:
@@ -158,7 +178,7 @@ def quant_source(qtype: GGMLType) -> str:
     sizes = [size for _, size in fields] + [0] * (4 - len(fields))
     defines = [f"#define QTYPE_{qtype.name} 1", f"#define LAYOUT_BLOCK {block}"]
     defines += [f"#define LAYOUT_SZ{i} {size}" for i, size in enumerate(sizes)]
-    parts = ["\n".join(defines), _read("common.cuh"), _read("quant.cu")]
+    parts = [build_defines() + "\n".join(defines), _read("common.cuh"), _read("quant.cu")]
     if qtype in Q8DOT_TYPES:
         parts.append(_read("mmvq.cu"))
     return "\n".join(parts)
