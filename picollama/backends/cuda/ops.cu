@@ -584,28 +584,43 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 #define ATD_WARPS 4
 #define ATD_KEYS (ATD_WARPS * 32)  // keys of a tile: one a thread
 
+// A lane's DPL halves of a value row as loaded (one load), and as floats
 template <int DPL>
-__device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* f) {
+struct VRaw;
+template <>
+struct VRaw<2> {
+    u32 w[1];
+};
+template <>
+struct VRaw<4> {
+    u32 w[2];
+};
+template <>
+struct VRaw<8> {
+    u32 w[4];
+};
+
+template <int DPL>
+__device__ __forceinline__ VRaw<DPL> load_vraw(const u16* __restrict__ p) {
+    VRaw<DPL> r;
     if constexpr (DPL == 2) {
-        u32 w = __ldg((const u32*)p);
-        f[0] = h2f((u16)(w & 0xFFFFu));
-        f[1] = h2f((u16)(w >> 16));
+        r.w[0] = __ldg((const u32*)p);
     } else if constexpr (DPL == 4) {
-        uint2 w = __ldg((const uint2*)p);
-        u32 w4[2] = {w.x, w.y};
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            f[2 * e] = h2f((u16)(w4[e] & 0xFFFFu));
-            f[2 * e + 1] = h2f((u16)(w4[e] >> 16));
-        }
+        const uint2 w = __ldg((const uint2*)p);
+        r.w[0] = w.x, r.w[1] = w.y;
     } else {
-        uint4 w = __ldg((const uint4*)p);
-        u32 w4[4] = {w.x, w.y, w.z, w.w};
+        const uint4 w = __ldg((const uint4*)p);
+        r.w[0] = w.x, r.w[1] = w.y, r.w[2] = w.z, r.w[3] = w.w;
+    }
+    return r;
+}
+
+template <int DPL>
+__device__ __forceinline__ void halves(const VRaw<DPL>& r, float* f) {
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            f[2 * e] = h2f((u16)(w4[e] & 0xFFFFu));
-            f[2 * e + 1] = h2f((u16)(w4[e] >> 16));
-        }
+    for (int e = 0; e < DPL / 2; e++) {
+        f[2 * e] = h2f((u16)(r.w[e] & 0xFFFFu));
+        f[2 * e + 1] = h2f((u16)(r.w[e] >> 16));
     }
 }
 
@@ -622,6 +637,14 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
 #ifndef ATT_FAKE
 #define ATT_FAKE 0
 #endif
+// ATT_VPRE: each lane's dims of its warp's value rows of the first tile in registers, loaded
+// with the key rows (before the wait for rows before the position), so that the value phase
+// of a short range waits on no load: all 32 rows at head_dim 64, the first 16 at 128 (32
+// registers a lane; more spill), none at 256. Rows not held are prefetched into L1 by their
+// key's thread and loaded 8 at a time (as every row with 0).
+#ifndef ATT_VPRE
+#define ATT_VPRE 0
+#endif
 
 // Split partials: out (n_kv, n_splits, G, HD) unnormalized outputs, then (n_kv, n_splits, G)
 // pairs (max, sum), all in `part` (n_kv * n_splits * G * (HD + 2) floats).
@@ -634,6 +657,8 @@ __device__ __forceinline__ void attention_gqa_body(
     constexpr int HD = 32 * DPL;
     constexpr int KCH = HD / 8;                // 16-byte pieces of a key row
     constexpr int KB = KCH < 16 ? KCH : 16;    // pieces a batch of loads (the first: preloaded)
+    // the first tile's value rows a lane holds in registers (32 or 64 registers)
+    constexpr int VPR = !ATT_VPRE ? 0 : (DPL == 2 ? 32 : (DPL == 4 ? 16 : 0));
     __shared__ float sm[ATD_WARPS][GB], sl[ATD_WARPS][GB];
     __shared__ float sacc[ATD_WARPS][GB][HD];
     __shared__ __align__(16) float sq[GB][HD];  // the group's queries
@@ -671,20 +696,42 @@ __device__ __forceinline__ void attention_gqa_body(
         const uint4* kr = (const uint4*)(kh + jr0 * stride);
 #pragma unroll
         for (int c = 0; c < KB; c++) kpre[c] = __ldg(kr + c);
-        if (values) {
+        if (VPR < 32 && values) {
 #pragma unroll
             for (int c = 0; c < HD / 64; c++) prefetch_l1(vh + jr0 * stride + 64 * c);
+        }
+    };
+    // the lane's dims of the warp's value rows of the first tile (past the end: the last
+    // row, weighted 0), those before the position (early) or at it
+    VRaw<DPL> vpre[VPR > 0 ? VPR : 1];
+    const int jv = s0 + 32 * warp;  // the warp's first key of the first tile
+    auto load_values = [&](bool early_rows) {
+        if constexpr (VPR > 0) {
+            if (jv < s1) {
+#pragma unroll
+                for (int i = 0; i < VPR; i++) {
+                    const int jr = min(jv + i, s1 - 1);
+                    if ((jr < pos) == early_rows) vpre[i] = load_vraw<DPL>(vb + jr * stride);
+                }
+            }
         }
     };
     // rows before the position before the wait; the current position's rows are the Q/K/V
     // launch's: after it, but before the queries' barrier, so that their latencies overlap
     const bool early = ATT_PRELOAD && jf < s1 && jf < pos;
     if (early) load_first(true);
+    if (ATT_PRELOAD) load_values(true);
 #if ATT_PRELOAD
     pdl_wait();
     pdl_trigger_at(1, pdl_at);
 #endif
     if (!early) load_first(jf == pos);
+    if (ATT_PRELOAD) {
+        load_values(false);
+    } else {
+        load_values(true);
+        load_values(false);
+    }
 #if ATT_FAKE
     // a diagnostic bound (bench_synthetic --define ATT_FAKE=1): zeros out, no keys taken
     for (int e = t; e < G * HD; e += ATD_KEYS) out[(i64)kvh * G * HD + e] = 0.f;
@@ -780,7 +827,11 @@ __device__ __forceinline__ void attention_gqa_body(
 #pragma unroll
                 for (int u = 0; u < 8; u++) {
                     const int jr = jw + min(i0 + u, nk - 1);
-                    load_halves<DPL>(vb + jr * stride, vf[u]);
+                    if (i0 + u < VPR && j0 == s0) {
+                        halves<DPL>(vpre[i0 + u], vf[u]);
+                    } else {
+                        halves<DPL>(load_vraw<DPL>(vb + jr * stride), vf[u]);
+                    }
                 }
 #pragma unroll
                 for (int u = 0; u < 8; u++) {
