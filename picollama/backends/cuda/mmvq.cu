@@ -154,6 +154,33 @@ __device__ __forceinline__ u32 lw16(const u8* p) {
     else return *(const u16*)p;
 }
 
+#if defined(QTYPE_Q4_K)
+// MVQ_Q4K_PRMT: the 6-bit scales and mins of sub-blocks 2 g and 2 g + 1 without branches.
+// A lane's g is the same for all its chunks (c = lane + 32 i, g = c % 4 or c / 2 % 4), but
+// differs between lanes, so the branches of scale_min2 diverge and a warp runs both (~17
+// issue slots a chunk, by cuobjdump). Here two byte permutes gather the bytes that either
+// case needs and lane-constant masks keep what each case keeps: the same bytes (an integer
+// function; checked against scale_min2 for all g on random words). Off until timed.
+#ifndef MVQ_Q4K_PRMT
+#define MVQ_Q4K_PRMT 0
+#endif
+// g of every chunk a lane takes, CPB chunks a block: every caller gives lane l the chunks
+// c = l + 32 i (c0 = lane in row_dot2, units of 32 or 64 chunks in the shared-memory path),
+// so g = (c % CPB) / (CPB / 4) is l's; from the thread index the compiler sees that it
+// does not change in the loops, and makes the masks and selectors once
+__device__ __forceinline__ int lane_g(int cpb) { return (int)(threadIdx.x % cpb) / (cpb / 4); }
+__device__ __forceinline__ u32 q4k_scale_min2(u32 s0, u32 s1, u32 s2, int g) {
+    const bool lo = g < 2;
+    // scale bytes 2 g', 2 g' + 1, 2 g' + 4, 2 g' + 5 (g' = g % 2), and for g >= 2 bytes
+    // 2 g + 4, 2 g + 5 twice
+    const u32 w2 = __byte_perm(s0, s1, (g & 1) ? 0x7632u : 0x5410u);
+    const u32 w1 = lo ? w2 : __byte_perm(s2, s2, (g & 1) ? 0x3232u : 0x1010u);
+    const u32 m1 = lo ? 0x3F3F3F3Fu : 0x00000F0Fu, m2 = lo ? 0u : 0x0F0F0000u;
+    const u32 m3 = lo ? 0u : 0x30303030u;
+    return (w1 & m1) | ((w1 >> 4) & m2) | ((w2 >> 2) & m3);
+}
+#endif
+
 #if defined(QTYPE_Q8_0)
 struct QD {  // d, qs[32]: a chunk is half a block (16 codes)
     static constexpr int CPB = 2, UNROLL = MVQ_UNROLL;
@@ -289,7 +316,7 @@ struct QD {
             sl = dp4a((int)(w[e] & 0x0F0F0F0Fu), xlo[e], sl);
             sh = dp4a((int)((w[e] >> 4) & 0x0F0F0F0Fu), xhi[e], sh);
         }
-        u32 sm = scale_min2(r.s0, r.s1, r.s2, g);
+        u32 sm = MVQ_Q4K_PRMT ? q4k_scale_min2(r.s0, r.s1, r.s2, lane_g(4)) : scale_min2(r.s0, r.s1, r.s2, g);
         int sc0 = (int)byte_of(sm, 0), sc1 = (int)byte_of(sm, 1);
         int m0 = (int)byte_of(sm, 2), m1 = (int)byte_of(sm, 3);
         float d = h2f((u16)(r.dm & 0xFFFFu)), dmin = h2f((u16)(r.dm >> 16));
@@ -353,7 +380,7 @@ struct QD {
             sl = dp4a((int)(w[e] & 0x0F0F0F0Fu), xlo[e], sl);
             sh = dp4a((int)((w[e] >> 4) & 0x0F0F0F0Fu), xhi[e], sh);
         }
-        u32 sm = scale_min2(r.s0, r.s1, r.s2, g);
+        u32 sm = MVQ_Q4K_PRMT ? q4k_scale_min2(r.s0, r.s1, r.s2, lane_g(8)) : scale_min2(r.s0, r.s1, r.s2, g);
         int sc0 = (int)byte_of(sm, 0), sc1 = (int)byte_of(sm, 1);
         int m0 = (int)byte_of(sm, 2), m1 = (int)byte_of(sm, 3);
         float d = h2f((u16)(r.dm & 0xFFFFu)), dmin = h2f((u16)(r.dm >> 16));

@@ -651,9 +651,9 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
 template <int DPL, int GB>
 __device__ __forceinline__ void attention_gqa_body(
     const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
-    const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, float scale, int window,
-    float softcap, int min_keys, float* __restrict__ out, float* __restrict__ part,
-    int* __restrict__ counter, int pdl_at) {
+    int n_kv_heads, float scale, float softcap, float* __restrict__ out,
+    float* __restrict__ part, int* __restrict__ counter, int pdl_at, int kvh, int split,
+    int n_splits, int lo, int len, int pos, int h0, int G) {
     constexpr int HD = 32 * DPL;
     constexpr int KCH = HD / 8;                // 16-byte pieces of a key row
     constexpr int KB = KCH < 16 ? KCH : 16;    // pieces a batch of loads (the first: preloaded)
@@ -664,22 +664,11 @@ __device__ __forceinline__ void attention_gqa_body(
     __shared__ __align__(16) float sq[GB][HD];  // the group's queries
     __shared__ float sp[GB][ATD_KEYS];          // a tile's weights (each warp its 32 keys')
     __shared__ int s_last;
-    pdl_trigger_at(0, pdl_at);
 #if !ATT_PRELOAD
     pdl_wait();
     pdl_trigger_at(1, pdl_at);
 #endif
-    const int kvh = blockIdx.x, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = threadIdx.x;
-    const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
-    // the position was copied to the device before the graph's first kernel: it may be read
-    // before the wait, and so may every cache row before it (written by earlier steps)
-    const int pos = *start_ptr;
-    const int lo = window_lo(pos, window);
-    const int len = pos + 1 - lo;
-    // only as many splits as the range needs (min_keys each): short ranges skip the merge
-    const int n_splits = max(1, min((int)gridDim.y, len / min_keys));
-    if (split >= n_splits) return;
     const int s0 = lo + (int)((i64)len * split / n_splits);
     const int s1 = lo + (int)((i64)len * (split + 1) / n_splits);
 
@@ -734,13 +723,13 @@ __device__ __forceinline__ void attention_gqa_body(
     }
 #if ATT_FAKE
     // a diagnostic bound (bench_synthetic --define ATT_FAKE=1): zeros out, no keys taken
-    for (int e = t; e < G * HD; e += ATD_KEYS) out[(i64)kvh * G * HD + e] = 0.f;
+    for (int e = t; e < G * HD; e += ATD_KEYS) out[(i64)h0 * HD + e] = 0.f;
     return;
 #endif
     // the queries (written by the launch before); heads past G take the last head's query
     for (int e = t; e < GB * (HD / 4); e += ATD_KEYS) {
         const int g = e / (HD / 4), d4 = e - g * (HD / 4);
-        const float4* qh = (const float4*)(q + (i64)(kvh * G + min(g, G - 1)) * HD);
+        const float4* qh = (const float4*)(q + (i64)(h0 + min(g, G - 1)) * HD);
         ((float4*)sq[g])[d4] = qh[d4];
     }
     __syncthreads();
@@ -876,7 +865,7 @@ __device__ __forceinline__ void attention_gqa_body(
             o = fmaf(sacc[w][g][d], wt, o);
         }
         if (n_splits == 1) {
-            out[(i64)(kvh * G + g) * HD + d] = o / total;
+            out[(i64)(h0 + g) * HD + d] = o / total;
         } else {
             const i64 row = (i64)(kvh * n_splits + split) * G + g;
             part[row * HD + d] = o;
@@ -937,9 +926,51 @@ __device__ __forceinline__ void attention_gqa_body(
             mx = mb;
         }
         float4 r = make_float4(o.x / total, o.y / total, o.z / total, o.w / total);
-        *((float4*)(out + (i64)(kvh * G + g) * HD) + d4) = r;
+        *((float4*)(out + (i64)(h0 + g) * HD) + d4) = r;
     }
     if (threadIdx.x == 0) counter[kvh] = 0;  // ready for the next launch (graph replays)
+}
+
+// ATT_HEADS: a range short enough for one split (fewer than 2 * min_keys keys) leaves the
+// grid's other split blocks idle while each of the KV heads' blocks scores every key with
+// all G heads of its group (a thread's dot is G * head_dim FMAs). With ATT_HEADS=1 those
+// blocks take one query head each instead (when the grid has at least G splits): the key
+// and value rows are read G times (from L2: a short range), each thread's dot and value
+// sums shrink G-fold, and G times as many multiprocessors share the work. Long ranges keep
+// the splits over keys. Off until timed.
+#ifndef ATT_HEADS
+#define ATT_HEADS 0
+#endif
+
+template <int DPL, int GB>
+__device__ __forceinline__ void attention_gqa_entry(
+    const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
+    const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, float scale, int window,
+    float softcap, int min_keys, float* __restrict__ out, float* __restrict__ part,
+    int* __restrict__ counter, int pdl_at) {
+    pdl_trigger_at(0, pdl_at);
+    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
+    // the position was copied to the device before the graph's first kernel: it may be read
+    // before the wait, and so may every cache row before it (written by earlier steps)
+    const int pos = *start_ptr;
+    const int lo = window_lo(pos, window);
+    const int len = pos + 1 - lo;
+    // only as many splits as the range needs (min_keys each): short ranges skip the merge
+    const int n_splits = max(1, min((int)gridDim.y, len / min_keys));
+    if constexpr (ATT_HEADS && GB > 1 && DPL <= 4) {  // (head_dim 256: 48 KB of shared memory)
+        if (n_splits == 1 && G > 1 && (int)gridDim.y >= G) {
+            if (split < G) {
+                attention_gqa_body<DPL, 1>(q, kc, vc, n_kv_heads, scale, softcap, out, part,
+                                           counter, pdl_at, kvh, 0, 1, lo, len, pos,
+                                           kvh * G + split, 1);
+            }
+            return;
+        }
+    }
+    if (split >= n_splits) return;
+    attention_gqa_body<DPL, GB>(q, kc, vc, n_kv_heads, scale, softcap, out, part, counter,
+                                pdl_at, kvh, split, n_splits, lo, len, pos, kvh * G, G);
 }
 
 // attention_gqa_<DPL>_<GB>: head_dim 32 * DPL (64, 128, 256), groups of at most GB heads,
@@ -958,10 +989,10 @@ __device__ __forceinline__ void attention_gqa_body(
         const i64 row = (i64)n_heads * 32 * DPL;                                           \
         const i64 part_row = (i64)gridDim.x * gridDim.y * (n_heads / n_kv_heads) *         \
                              (32 * DPL + 2);                                               \
-        attention_gqa_body<DPL, GB>(q + z * row, kcs[z], vcs[z], starts + z, n_heads,      \
-                                    n_kv_heads, scale, window, softcap, min_keys,          \
-                                    out + z * row, part + z * part_row,                    \
-                                    counter + z * n_kv_heads, pdl_at);                     \
+        attention_gqa_entry<DPL, GB>(q + z * row, kcs[z], vcs[z], starts + z, n_heads,     \
+                                     n_kv_heads, scale, window, softcap, min_keys,         \
+                                     out + z * row, part + z * part_row,                   \
+                                     counter + z * n_kv_heads, pdl_at);                    \
     }
 // groups of 3 and 6 heads (SmolLM2-135M, Qwen2.5-1.5B) get their own: every head a thread
 // scores costs its dot, so rounding a group up to 4 or 8 would waste a quarter of them
