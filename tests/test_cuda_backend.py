@@ -637,6 +637,7 @@ ATT_CASES = [
     (1, 300, 333, 4, 2, 128, 64, 50.0),  # decode, window inside a split
     (1, 77, 128, 9, 3, 64, 0, 0.0),  # decode, groups of 3 (SmolLM2-135M's shape)
     (1, 200, 256, 9, 3, 64, 0, 0.0),  # decode, one split of two tiles of keys
+    (1, 100, 512, 9, 3, 64, 0, 0.0),  # decode, one split in a grid of 4 (ATT_HEADS: by head)
     (1, 150, 256, 12, 2, 128, 0, 0.0),  # decode, groups of 6
     (1, 40, 64, 5, 1, 64, 0, 0.0),  # decode, a group of 5 in the kernel for 6
     (1, 900, 1024, 8, 2, 256, 100, 30.0),  # decode, head_dim 256, window and softcap
