@@ -75,6 +75,13 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
     return r;
 }
 
+// a . b + c over the four unsigned bytes of a and the four signed bytes of b
+__device__ __forceinline__ int dp4a_us(u32 a, int b, int c) {
+    int r;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
 // silu(g) * u = g / (1 + exp(-g)) * u, in the CPU backend's float32 steps
 __device__ __forceinline__ float silu_mul1(float g, float u) {
     float e = (float)exp(-(double)g);

@@ -154,6 +154,20 @@ __device__ __forceinline__ u32 lw16(const u8* p) {
     else return *(const u16*)p;
 }
 
+// MVQ_HI16: the high nibbles of Q4_0 and Q4_K codes multiplied where they lie, as the
+// unsigned bytes (w & 0xF0) = 16 q (dp4a.u32.s32), and the sum shifted right by 4: exact
+// (every term is a multiple of 16), one instruction less a word than (w >> 4) & 0x0F.
+// Off until timed.
+#ifndef MVQ_HI16
+#define MVQ_HI16 0
+#endif
+// sum += hi nibbles of w . x (w: four bytes of two nibbles), as (w >> 4) & 0x0F0F0F0F
+// would give; with MVQ_HI16 into a sum of 16 times that, which hi_sum() turns back
+__device__ __forceinline__ int dp4a_hi(u32 w, int x, int sum) {
+    return MVQ_HI16 ? dp4a_us(w & 0xF0F0F0F0u, x, sum) : dp4a((int)((w >> 4) & 0x0F0F0F0Fu), x, sum);
+}
+__device__ __forceinline__ int hi_sum(int sum) { return MVQ_HI16 ? sum >> 4 : sum; }
+
 #if defined(QTYPE_Q4_K)
 // MVQ_Q4K_PRMT: the 6-bit scales and mins of sub-blocks 2 g and 2 g + 1 without branches.
 // A lane's g is the same for all its chunks (c = lane + 32 i, g = c % 4 or c / 2 % 4), but
@@ -243,6 +257,7 @@ struct QD {
         int xhi[4] = {xh.x, xh.y, xh.z, xh.w};
         u32 w[4] = WORDS4(r.q);
         int s = 0;
+#if defined(QTYPE_Q5_0) || !MVQ_HI16
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             u32 lo = w[e] & 0x0F0F0F0Fu, hi = (w[e] >> 4) & 0x0F0F0F0Fu;
@@ -253,6 +268,15 @@ struct QD {
             s = dp4a((int)lo, xlo[e], s);
             s = dp4a((int)hi, xhi[e], s);
         }
+#else  // Q4_0 with MVQ_HI16: the high nibbles' sum apart, 16 times over
+        int s_hi = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            s = dp4a((int)(w[e] & 0x0F0F0F0Fu), xlo[e], s);
+            s_hi = dp4a_hi(w[e], xhi[e], s_hi);
+        }
+        s += hi_sum(s_hi);
+#endif
 #if defined(QTYPE_Q4_0)
         s -= 8 * (x.s[2 * jb] + x.s[2 * jb + 1]);
 #else
@@ -314,8 +338,9 @@ struct QD {
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             sl = dp4a((int)(w[e] & 0x0F0F0F0Fu), xlo[e], sl);
-            sh = dp4a((int)((w[e] >> 4) & 0x0F0F0F0Fu), xhi[e], sh);
+            sh = dp4a_hi(w[e], xhi[e], sh);
         }
+        sh = hi_sum(sh);
         u32 sm = MVQ_Q4K_PRMT ? q4k_scale_min2(r.s0, r.s1, r.s2, lane_g(4)) : scale_min2(r.s0, r.s1, r.s2, g);
         int sc0 = (int)byte_of(sm, 0), sc1 = (int)byte_of(sm, 1);
         int m0 = (int)byte_of(sm, 2), m1 = (int)byte_of(sm, 3);
@@ -378,8 +403,9 @@ struct QD {
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             sl = dp4a((int)(w[e] & 0x0F0F0F0Fu), xlo[e], sl);
-            sh = dp4a((int)((w[e] >> 4) & 0x0F0F0F0Fu), xhi[e], sh);
+            sh = dp4a_hi(w[e], xhi[e], sh);
         }
+        sh = hi_sum(sh);
         u32 sm = MVQ_Q4K_PRMT ? q4k_scale_min2(r.s0, r.s1, r.s2, lane_g(8)) : scale_min2(r.s0, r.s1, r.s2, g);
         int sc0 = (int)byte_of(sm, 0), sc1 = (int)byte_of(sm, 1);
         int m0 = (int)byte_of(sm, 2), m1 = (int)byte_of(sm, 3);

@@ -584,20 +584,35 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, float* _
 #define ATD_WARPS 4
 #define ATD_KEYS (ATD_WARPS * 32)  // keys of a tile: one a thread
 
-// A lane's DPL halves of a value row as loaded (one load), and as floats
 template <int DPL>
-struct VRaw;
-template <>
-struct VRaw<2> {
-    u32 w[1];
-};
-template <>
-struct VRaw<4> {
-    u32 w[2];
-};
-template <>
-struct VRaw<8> {
-    u32 w[4];
+__device__ __forceinline__ void load_halves(const u16* __restrict__ p, float* f) {
+    if constexpr (DPL == 2) {
+        u32 w = __ldg((const u32*)p);
+        f[0] = h2f((u16)(w & 0xFFFFu));
+        f[1] = h2f((u16)(w >> 16));
+    } else if constexpr (DPL == 4) {
+        uint2 w = __ldg((const uint2*)p);
+        u32 w4[2] = {w.x, w.y};
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            f[2 * e] = h2f((u16)(w4[e] & 0xFFFFu));
+            f[2 * e + 1] = h2f((u16)(w4[e] >> 16));
+        }
+    } else {
+        uint4 w = __ldg((const uint4*)p);
+        u32 w4[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            f[2 * e] = h2f((u16)(w4[e] & 0xFFFFu));
+            f[2 * e + 1] = h2f((u16)(w4[e] >> 16));
+        }
+    }
+}
+
+// A lane's DPL halves of a value row as loaded (one load), and as floats (ATT_VPRE)
+template <int DPL>
+struct VRaw {
+    u32 w[DPL / 2];
 };
 
 template <int DPL>
@@ -640,35 +655,80 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
 // ATT_VPRE: each lane's dims of its warp's value rows of the first tile in registers, loaded
 // with the key rows (before the wait for rows before the position), so that the value phase
 // of a short range waits on no load: all 32 rows at head_dim 64, the first 16 at 128 (32
-// registers a lane; more spill), none at 256. Rows not held are prefetched into L1 by their
-// key's thread and loaded 8 at a time (as every row with 0).
+// registers a lane; more spill), none at 256. Without it (the default) every value row is
+// prefetched into L1 by its key's thread and loaded 8 at a time. Off until timed.
 #ifndef ATT_VPRE
 #define ATT_VPRE 0
 #endif
+// ATT_HEADS: a range short enough for one split (fewer than 2 * min_keys keys) leaves the
+// grid's other split blocks idle while each of the KV heads' blocks scores every key with
+// all G heads of its group (a thread's dot is G * head_dim FMAs). With ATT_HEADS=1 those
+// blocks take one query head each instead (when the grid has at least G splits): the key
+// and value rows are read G times (from L2: a short range), each thread's dot and value
+// sums shrink G-fold, and G times as many multiprocessors share the work. Long ranges keep
+// the splits over keys. The kernel runs the body twice, as the group (BY_HEAD false) and as
+// one head (true): each instance returns at once from the other's blocks. Head dims 64 and
+// 128 (at 256 the two instances' shared memory exceeds 48 KB). Off until timed.
+#ifndef ATT_HEADS
+#define ATT_HEADS 0
+#endif
+// (both options are #if blocks, so that the default build's source is the one timed)
 
 // Split partials: out (n_kv, n_splits, G, HD) unnormalized outputs, then (n_kv, n_splits, G)
 // pairs (max, sum), all in `part` (n_kv * n_splits * G * (HD + 2) floats).
-template <int DPL, int GB>
+template <int DPL, int GB, bool BY_HEAD = false>
 __device__ __forceinline__ void attention_gqa_body(
     const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
-    int n_kv_heads, float scale, float softcap, float* __restrict__ out,
-    float* __restrict__ part, int* __restrict__ counter, int pdl_at, int kvh, int split,
-    int n_splits, int lo, int len, int pos, int h0, int G) {
+    const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, float scale, int window,
+    float softcap, int min_keys, float* __restrict__ out, float* __restrict__ part,
+    int* __restrict__ counter, int pdl_at) {
     constexpr int HD = 32 * DPL;
     constexpr int KCH = HD / 8;                // 16-byte pieces of a key row
     constexpr int KB = KCH < 16 ? KCH : 16;    // pieces a batch of loads (the first: preloaded)
-    // the first tile's value rows a lane holds in registers (32 or 64 registers)
-    constexpr int VPR = !ATT_VPRE ? 0 : (DPL == 2 ? 32 : (DPL == 4 ? 16 : 0));
     __shared__ float sm[ATD_WARPS][GB], sl[ATD_WARPS][GB];
     __shared__ float sacc[ATD_WARPS][GB][HD];
     __shared__ __align__(16) float sq[GB][HD];  // the group's queries
     __shared__ float sp[GB][ATD_KEYS];          // a tile's weights (each warp its 32 keys')
     __shared__ int s_last;
+    pdl_trigger_at(0, pdl_at);
 #if !ATT_PRELOAD
     pdl_wait();
     pdl_trigger_at(1, pdl_at);
 #endif
+#if ATT_HEADS
+    const int kvh = blockIdx.x;
+    int split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = threadIdx.x;
+    int G = n_heads / n_kv_heads;  // at most GB (the host checks)
+#else
+    const int kvh = blockIdx.x, split = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = threadIdx.x;
+    const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
+#endif
+    // the position was copied to the device before the graph's first kernel: it may be read
+    // before the wait, and so may every cache row before it (written by earlier steps)
+    const int pos = *start_ptr;
+    const int lo = window_lo(pos, window);
+    const int len = pos + 1 - lo;
+    // only as many splits as the range needs (min_keys each): short ranges skip the merge
+    const int n_splits = max(1, min((int)gridDim.y, len / min_keys));
+#if ATT_HEADS
+    int h0 = kvh * G;  // the block's first query head
+    if constexpr (DPL <= 4) {
+        const bool by_head = n_splits == 1 && G > 1 && (int)gridDim.y >= G;
+        if (by_head != BY_HEAD) return;  // the other instance's block
+        if (BY_HEAD) {
+            if (split >= G) return;
+            h0 += split;
+            G = 1;
+            split = 0;
+        }
+    }
+#define ATT_H0 h0
+#else
+#define ATT_H0 (kvh * G)
+#endif
+    if (split >= n_splits) return;
     const int s0 = lo + (int)((i64)len * split / n_splits);
     const int s1 = lo + (int)((i64)len * (split + 1) / n_splits);
 
@@ -681,6 +741,12 @@ __device__ __forceinline__ void attention_gqa_body(
     // its warp reads in the value phase
     const int jf = s0 + t, jr0 = jf < s1 ? jf : s1 - 1;
     uint4 kpre[KB];
+#if ATT_VPRE
+    // the first tile's value rows a lane holds in registers (32 or 64 registers)
+    constexpr int VPR = DPL == 2 ? 32 : (DPL == 4 ? 16 : 0);
+#else
+    constexpr int VPR = 0;
+#endif
     auto load_first = [&](bool values) {
         const uint4* kr = (const uint4*)(kh + jr0 * stride);
 #pragma unroll
@@ -690,6 +756,7 @@ __device__ __forceinline__ void attention_gqa_body(
             for (int c = 0; c < HD / 64; c++) prefetch_l1(vh + jr0 * stride + 64 * c);
         }
     };
+#if ATT_VPRE
     // the lane's dims of the warp's value rows of the first tile (past the end: the last
     // row, weighted 0), those before the position (early) or at it
     VRaw<DPL> vpre[VPR > 0 ? VPR : 1];
@@ -705,31 +772,32 @@ __device__ __forceinline__ void attention_gqa_body(
             }
         }
     };
+#endif
     // rows before the position before the wait; the current position's rows are the Q/K/V
     // launch's: after it, but before the queries' barrier, so that their latencies overlap
     const bool early = ATT_PRELOAD && jf < s1 && jf < pos;
     if (early) load_first(true);
+#if ATT_VPRE
     if (ATT_PRELOAD) load_values(true);
+#endif
 #if ATT_PRELOAD
     pdl_wait();
     pdl_trigger_at(1, pdl_at);
 #endif
     if (!early) load_first(jf == pos);
-    if (ATT_PRELOAD) {
-        load_values(false);
-    } else {
-        load_values(true);
-        load_values(false);
-    }
+#if ATT_VPRE
+    if (!ATT_PRELOAD) load_values(true);
+    load_values(false);
+#endif
 #if ATT_FAKE
     // a diagnostic bound (bench_synthetic --define ATT_FAKE=1): zeros out, no keys taken
-    for (int e = t; e < G * HD; e += ATD_KEYS) out[(i64)h0 * HD + e] = 0.f;
+    for (int e = t; e < G * HD; e += ATD_KEYS) out[(i64)ATT_H0 * HD + e] = 0.f;
     return;
 #endif
     // the queries (written by the launch before); heads past G take the last head's query
     for (int e = t; e < GB * (HD / 4); e += ATD_KEYS) {
         const int g = e / (HD / 4), d4 = e - g * (HD / 4);
-        const float4* qh = (const float4*)(q + (i64)(h0 + min(g, G - 1)) * HD);
+        const float4* qh = (const float4*)(q + (i64)(ATT_H0 + min(g, G - 1)) * HD);
         ((float4*)sq[g])[d4] = qh[d4];
     }
     __syncthreads();
@@ -816,11 +884,13 @@ __device__ __forceinline__ void attention_gqa_body(
 #pragma unroll
                 for (int u = 0; u < 8; u++) {
                     const int jr = jw + min(i0 + u, nk - 1);
+#if ATT_VPRE
                     if (i0 + u < VPR && j0 == s0) {
                         halves<DPL>(vpre[i0 + u], vf[u]);
-                    } else {
-                        halves<DPL>(load_vraw<DPL>(vb + jr * stride), vf[u]);
+                        continue;
                     }
+#endif
+                    load_halves<DPL>(vb + jr * stride, vf[u]);
                 }
 #pragma unroll
                 for (int u = 0; u < 8; u++) {
@@ -865,7 +935,7 @@ __device__ __forceinline__ void attention_gqa_body(
             o = fmaf(sacc[w][g][d], wt, o);
         }
         if (n_splits == 1) {
-            out[(i64)(h0 + g) * HD + d] = o / total;
+            out[(i64)(ATT_H0 + g) * HD + d] = o / total;
         } else {
             const i64 row = (i64)(kvh * n_splits + split) * G + g;
             part[row * HD + d] = o;
@@ -926,52 +996,22 @@ __device__ __forceinline__ void attention_gqa_body(
             mx = mb;
         }
         float4 r = make_float4(o.x / total, o.y / total, o.z / total, o.w / total);
-        *((float4*)(out + (i64)(h0 + g) * HD) + d4) = r;
+        *((float4*)(out + (i64)(ATT_H0 + g) * HD) + d4) = r;
     }
     if (threadIdx.x == 0) counter[kvh] = 0;  // ready for the next launch (graph replays)
+#undef ATT_H0
 }
 
-// ATT_HEADS: a range short enough for one split (fewer than 2 * min_keys keys) leaves the
-// grid's other split blocks idle while each of the KV heads' blocks scores every key with
-// all G heads of its group (a thread's dot is G * head_dim FMAs). With ATT_HEADS=1 those
-// blocks take one query head each instead (when the grid has at least G splits): the key
-// and value rows are read G times (from L2: a short range), each thread's dot and value
-// sums shrink G-fold, and G times as many multiprocessors share the work. Long ranges keep
-// the splits over keys. Off until timed.
-#ifndef ATT_HEADS
-#define ATT_HEADS 0
+#if ATT_HEADS
+#define ATD_BY_HEAD(DPL, GB)                                                               \
+    if (GB > 1 && DPL <= 4)                                                                \
+        attention_gqa_body<DPL, 1, true>(q + z * row, kcs[z], vcs[z], starts + z, n_heads, \
+                                         n_kv_heads, scale, window, softcap, min_keys,     \
+                                         out + z * row, part + z * part_row,               \
+                                         counter + z * n_kv_heads, pdl_at);
+#else
+#define ATD_BY_HEAD(DPL, GB)
 #endif
-
-template <int DPL, int GB>
-__device__ __forceinline__ void attention_gqa_entry(
-    const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
-    const int* __restrict__ start_ptr, int n_heads, int n_kv_heads, float scale, int window,
-    float softcap, int min_keys, float* __restrict__ out, float* __restrict__ part,
-    int* __restrict__ counter, int pdl_at) {
-    pdl_trigger_at(0, pdl_at);
-    const int kvh = blockIdx.x, split = blockIdx.y;
-    const int G = n_heads / n_kv_heads;  // at most GB (the host checks)
-    // the position was copied to the device before the graph's first kernel: it may be read
-    // before the wait, and so may every cache row before it (written by earlier steps)
-    const int pos = *start_ptr;
-    const int lo = window_lo(pos, window);
-    const int len = pos + 1 - lo;
-    // only as many splits as the range needs (min_keys each): short ranges skip the merge
-    const int n_splits = max(1, min((int)gridDim.y, len / min_keys));
-    if constexpr (ATT_HEADS && GB > 1 && DPL <= 4) {  // (head_dim 256: 48 KB of shared memory)
-        if (n_splits == 1 && G > 1 && (int)gridDim.y >= G) {
-            if (split < G) {
-                attention_gqa_body<DPL, 1>(q, kc, vc, n_kv_heads, scale, softcap, out, part,
-                                           counter, pdl_at, kvh, 0, 1, lo, len, pos,
-                                           kvh * G + split, 1);
-            }
-            return;
-        }
-    }
-    if (split >= n_splits) return;
-    attention_gqa_body<DPL, GB>(q, kc, vc, n_kv_heads, scale, softcap, out, part, counter,
-                                pdl_at, kvh, split, n_splits, lo, len, pos, kvh * G, G);
-}
 
 // attention_gqa_<DPL>_<GB>: head_dim 32 * DPL (64, 128, 256), groups of at most GB heads,
 // one token of each of gridDim.z sequences (1 for a lone sequence's decode): row z of
@@ -989,10 +1029,11 @@ __device__ __forceinline__ void attention_gqa_entry(
         const i64 row = (i64)n_heads * 32 * DPL;                                           \
         const i64 part_row = (i64)gridDim.x * gridDim.y * (n_heads / n_kv_heads) *         \
                              (32 * DPL + 2);                                               \
-        attention_gqa_entry<DPL, GB>(q + z * row, kcs[z], vcs[z], starts + z, n_heads,     \
-                                     n_kv_heads, scale, window, softcap, min_keys,         \
-                                     out + z * row, part + z * part_row,                   \
-                                     counter + z * n_kv_heads, pdl_at);                    \
+        attention_gqa_body<DPL, GB>(q + z * row, kcs[z], vcs[z], starts + z, n_heads,      \
+                                    n_kv_heads, scale, window, softcap, min_keys,          \
+                                    out + z * row, part + z * part_row,                    \
+                                    counter + z * n_kv_heads, pdl_at);                     \
+        ATD_BY_HEAD(DPL, GB)                                                               \
     }
 // groups of 3 and 6 heads (SmolLM2-135M, Qwen2.5-1.5B) get their own: every head a thread
 // scores costs its dot, so rounding a group up to 4 or 8 would waste a quarter of them
