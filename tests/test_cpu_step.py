@@ -344,3 +344,29 @@ def test_cache_blocks_are_remembered_per_cache_and_dropped_with_it():
     del cache
     gc.collect()
     assert key not in step._BLOCKS
+
+
+def test_kind_times_splits_a_kept_run_by_op(tmp_path):
+    """With keep_last the compiler keeps its last trusted run (off by default: the run's
+    cache addresses must not outlive the caches), and kind_times times each kind of the
+    program's rows alone on it: every row counted once, the products among the kinds."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    backend = get_backend("cpu", n_threads=2)
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        cache = model.new_cache(32)
+        model.forward(np.array(PROMPT), 0, cache)
+        for i, tok in enumerate(DECODE[:4]):
+            model.forward(np.array([tok]), len(PROMPT) + i, cache)
+        assert backend._steps.last is None
+        backend._steps.keep_last = True
+        model.forward(np.array([DECODE[4]]), len(PROMPT) + 4, cache)
+        program, args = backend._steps.last
+        assert program is backend._steps.program(model) and program.trusted
+        rows = step.kind_times(program, args, reps=2)
+    assert rows[0][0] == "all" and rows[0][1] == len(program.code)
+    kinds = {name: count for name, count, _ in rows[1:]}
+    assert sum(kinds.values()) == len(program.code)
+    assert {"matmul", "gated matmul", "attention", "rms_norm", "rope"} <= set(kinds)
+    assert all(ms > 0 for _, _, ms in rows)

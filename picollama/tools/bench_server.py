@@ -130,7 +130,8 @@ def profile_steps(
 ) -> None:
     """Where one engine step's time goes, in process (no HTTP): for each number of slots,
     the scheduler's step (sampling, detokenizing, streaming) around the batched forward, and
-    inside the forward each backend op's exclusive time, per step."""
+    inside the forward each backend op's exclusive time, per step; on the CPU, inside its
+    compiled step each kind of op's share (``step.kind_times``)."""
     import numba
 
     from picollama.generation import Engine
@@ -171,6 +172,9 @@ def profile_steps(
     for name in _OPS:
         if callable(getattr(be, name, None)):
             setattr(be, name, timed(name, getattr(be, name)))  # shadows the bound method
+    steps = getattr(be, "_steps", None)  # the CPU's compiled steps: keep the last run's
+    if steps is not None:
+        steps.keep_last = True
     engine_step = sched.engine_step
     sched.engine_step = timed("(forward)", engine_step)
     print(f"threads {numba.get_num_threads()}, {n_steps} decode steps per level")
@@ -211,11 +215,25 @@ def profile_steps(
             print(f"  forward, outside the backend ops:               {glue:7.3f} ms")
             for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
                 print(f"  {k:<14} {v:7.3f} ms")
+            last = getattr(getattr(be, "_steps", None), "last", None)
+            if compiled and last is not None:
+                from picollama.backends.cpu.step import kind_times
+
+                rows = kind_times(*last)
+                print(
+                    f"  inside the compiled forward ({rows[0][2]:.2f} ms), each kind of op "
+                    f"alone (together {sum(r[2] for r in rows[1:]):.2f} ms):"
+                )
+                for kind, count, t in rows[1:]:
+                    print(f"    {kind:<14} {t:7.3f} ms  {count:4d} rows")
+                be._steps.last = None
             for r in reqs:
                 r.cancel()
             s.step()
     finally:
         sched.engine_step = engine_step
+        if steps is not None:
+            steps.keep_last, steps.last = False, None
         if hasattr(be, "compiled_steps"):
             be.compiled_steps = True
         for name in _OPS:

@@ -986,6 +986,61 @@ class _Program:
             return [arena[o.offset : o.offset + o.size].reshape(o.shape).copy() for o in self.outs]
 
 
+_KIND_NAMES = {
+    _OP_SCALE: "scale",
+    _OP_ADD: "add",
+    _OP_MUL: "mul",
+    _OP_RMS_NORM: "rms_norm",
+    _OP_MATMUL: "matmul",
+    _OP_GATED: "gated matmul",
+    _OP_ROPE: "rope",
+    _OP_STORE_KV: "store_kv",
+    _OP_ATTENTION: "attention",
+    _OP_SILU_MUL: "silu_mul",
+    _OP_GELU_MUL: "gelu_mul",
+    _OP_LORA: "lora",
+    _OP_ADD_CONST: "add_const",
+    _OP_SOFTCAP: "softcap",
+    _OP_COPY: "copy",
+}
+
+
+def kind_times(program: _Program, args: tuple, reps: int = 10) -> list[tuple[str, int, float]]:
+    """Where a compiled step's time goes: (kind, rows, ms) for each kind of program row run
+    alone (medians of ``reps`` runs, each set of runs after one run of the whole program,
+    so that every row reads values of a real step: dropping a kind instead would feed the
+    others values that float arithmetic may take slower paths on), largest first, after
+    ("all", rows, the whole program's ms). A benchmark's diagnostic: the runs leave the
+    arena and the caches' rows of the step rewritten (``args``: a run's tokens, positions,
+    starts, cache table and tasks, which must still point at live caches)."""
+    import time
+
+    _, positions, starts, cmeta, n_tasks = args
+    code, fargs = program.code, program.fargs
+    # (a group of rows, the attention of several segments or LoRA terms, is one row read
+    # with the rows after it: all of one kind, so they are kept or dropped together)
+    ops = code[:, 0]
+
+    def run(c, f) -> None:
+        _run(c, f, program.wmeta, program.consts, program.arena, cmeta, positions, starts,
+             n_tasks, ggml_math.gelu_table())  # fmt: skip
+
+    def ms(keep: np.ndarray) -> float:
+        run(code, fargs)
+        c, f = np.ascontiguousarray(code[keep]), np.ascontiguousarray(fargs[keep])
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run(c, f)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times)) * 1e3
+
+    rows = [("all", len(code), ms(np.ones(len(code), dtype=bool)))]
+    for op in np.unique(ops):
+        rows.append((_KIND_NAMES.get(int(op), str(op)), int((ops == op).sum()), ms(ops == op)))
+    return rows[:1] + sorted(rows[1:], key=lambda r: -r[2])
+
+
 _BLOCKS: dict[int, tuple] = {}  # id(cache) -> (weakref to it, its end layers' arrays, blocks)
 
 
@@ -1135,6 +1190,10 @@ class StepCompiler:
         self.backend = backend
         # model -> {batch shape: program, False (untraceable) or a count of sightings}
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # a benchmark's diagnostic (``kind_times``): with keep_last, the last trusted run's
+        # program and arguments (raw cache addresses: use them while the caches live)
+        self.keep_last = False
+        self.last: tuple | None = None
 
     def program(self, model, shape=((1, None),)):
         """The program of ``shape`` for ``model`` (None before it was traced; False if it
@@ -1182,6 +1241,8 @@ class StepCompiler:
         n_tasks = max(1, 4 * nb.get_num_threads())
         args = (tokens, positions, starts, cmeta, n_tasks)
         if entry.trusted:
+            if self.keep_last:
+                self.last = (entry, args)
             return entry.run(*args)
         if getattr(self.backend, "compile_in_background", False) and not BACKGROUND.ready():
             return model.forward_batch(segments)  # until the interpreter's code is made
