@@ -168,6 +168,35 @@ def test_ggml_expf_silu_gelu():
     assert gelu_mul(np.float32([[-11.0, 12.0]]), np.float32([[2.0, 2.0]])).tolist() == [[0, 24]]
 
 
+def test_branch_free_exp_is_ggml_exp_bit_for_bit():
+    """v_expf_lane (the form SwiGLU's loop vectorizes) gives v_expf's bits everywhere: both
+    of ggml's range paths (|n| past 126, past 192), infinities, NaN, zeros, subnormals."""
+    import numba as nb
+
+    from picollama.backends.cpu.ggml_math import v_expf, v_expf_lane
+
+    @nb.njit
+    def both(xs):
+        a, b = np.empty_like(xs), np.empty_like(xs)
+        for i in range(xs.size):
+            a[i], b[i] = v_expf(xs[i]), v_expf_lane(xs[i])
+        return a, b
+
+    rng = np.random.default_rng(7)
+    edges = [0.0, -0.0, 1e-45, -1e-45, 87.3, -87.3, 88.8, -103.9, 126.0, -126.0, 127.0]
+    edges += [-127.0, 150.0, -150.0, 192.0, -192.0, 193.0, -193.0, 1e30, -1e30]
+    xs = np.concatenate(
+        [
+            np.linspace(-200, 200, 400001),
+            rng.standard_normal(200000) * 60,
+            edges,
+            [np.inf, -np.inf, np.nan],
+        ]
+    ).astype(np.float32)
+    a, b = both(xs)
+    assert a.view(np.uint32).tolist() == b.view(np.uint32).tolist()
+
+
 def test_activations_by_column_ranges_are_the_whole_rows_bits():
     """The compiled step's tasks each apply SiLU / GELU to their own columns of a gated
     product: the pieces must be the one pass's bits, the rows' tails (past their last full

@@ -63,6 +63,29 @@ def v_expf(x):
     return fma_f32(s2, j, s2) * s1
 
 
+@nb.njit(inline="always", **_JIT)
+def v_expf_lane(x):
+    """``v_expf`` of float32 ``x`` without branches: the bits in 32-bit integers, both of
+    ggml's paths computed and the one |n| picks kept (as ggml's AVX2 code blends them), so
+    that a loop over it vectorizes (SwiGLU of 8 rows of 1536: 54 -> 37 us). The same
+    bits as ``v_expf`` (tests compare them over the whole range and at its edges)."""
+    u32 = np.uint32
+    z = fma_f32(x, _LOG2E, _R)
+    n = z - _R
+    b = fma_f32(-n, _LN2_LO, fma_f32(-n, _LN2_HI, x))
+    e = u32(bits_from_f32(z) << u32(23))
+    k = f32_from_bits(u32(e + u32(0x3F800000)))
+    u = b * b
+    j = fma_f32(fma_f32(fma_f32(_C4, b, _C3), u, fma_f32(_C2, b, _C1)), u, _C0 * b)
+    fast = fma_f32(j, k, k)
+    g = u32(0x82000000) if n <= _F(0.0) else u32(0)
+    s1 = f32_from_bits(u32(g + u32(0x7F000000)))
+    s2 = f32_from_bits(u32(e - g))
+    an = abs(n)
+    slow = s1 * s1 if an > _F(192.0) else fma_f32(s2, j, s2) * s1
+    return fast if not an > _F(126.0) else slow
+
+
 @nb.njit(**_JIT)
 def expf(x):
     """libm's ``expf`` of float32 ``x`` (Numba calls it for a float32 argument), as ggml's
@@ -80,7 +103,7 @@ def hsum8_f32(v, i0):
     return (a0 + a2) + (a1 + a3)
 
 
-@nb.njit(**_JIT)
+@nb.njit(error_model="numpy", **_JIT)  # IEEE division, as ggml: no check in the loop
 def _silu_mul_cols(gate, up, out, lo, hi):
     """``_silu_mul`` of columns ``lo..hi`` only, each element as the whole row's pass
     computes it (``v_expf`` in the row's full groups of 8, ``expf`` in its tail), so that
@@ -88,12 +111,13 @@ def _silu_mul_cols(gate, up, out, lo, hi):
     n_rows, n = gate.shape
     mid = min(max(n - n % 8, lo), hi)
     for r in range(n_rows):
+        g, u, o = gate[r], up[r], out[r]
         for i in range(lo, mid):
-            x = gate[r, i]
-            out[r, i] = (x / (_F(1.0) + v_expf(_F(0.0) - x))) * up[r, i]
+            x = g[i]
+            o[i] = (x / (_F(1.0) + v_expf_lane(_F(0.0) - x))) * u[i]
         for i in range(mid, hi):
-            x = gate[r, i]
-            out[r, i] = (x / (_F(1.0) + expf(-x))) * up[r, i]  # ggml_silu_f32
+            x = g[i]
+            o[i] = (x / (_F(1.0) + expf(-x))) * u[i]  # ggml_silu_f32
 
 
 @nb.njit(**_JIT)
