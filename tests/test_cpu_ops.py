@@ -169,17 +169,41 @@ def test_ggml_expf_silu_gelu():
 
 
 def test_branch_free_exp_is_ggml_exp_bit_for_bit():
-    """v_expf_lane (the form SwiGLU's loop vectorizes) gives v_expf's bits everywhere: both
-    of ggml's range paths (|n| past 126, past 192), infinities, NaN, zeros, subnormals."""
+    """v_expf (branch-free, so that SwiGLU's loop vectorizes) gives the bits of ggml's lane
+    as written with its branch, everywhere: both range paths (|n| past 126, past 192),
+    infinities, NaN, zeros, subnormals."""
     import numba as nb
 
-    from picollama.backends.cpu.ggml_math import v_expf, v_expf_lane
+    from picollama.backends.cpu import ggml_math as gm
+    from picollama.backends.cpu.intrinsics import bits_from_f32, f32_from_bits, fma_f32
+
+    f = np.float32
+
+    @nb.njit
+    def branching(x):  # ggml_v_expf's lane, with its range test as a branch
+        z = fma_f32(x, gm._LOG2E, gm._R)
+        n = z - gm._R
+        b = fma_f32(-n, gm._LN2_LO, fma_f32(-n, gm._LN2_HI, x))
+        e = (np.int64(bits_from_f32(z)) << 23) & 0xFFFFFFFF
+        k = f32_from_bits(np.uint32((e + 0x3F800000) & 0xFFFFFFFF))
+        u = b * b
+        j = fma_f32(
+            fma_f32(fma_f32(gm._C4, b, gm._C3), u, fma_f32(gm._C2, b, gm._C1)), u, gm._C0 * b
+        )
+        if not abs(n) > f(126.0):
+            return fma_f32(j, k, k)
+        g = np.int64(0x82000000) if n <= f(0.0) else np.int64(0)
+        s1 = f32_from_bits(np.uint32((g + 0x7F000000) & 0xFFFFFFFF))
+        s2 = f32_from_bits(np.uint32((e - g) & 0xFFFFFFFF))
+        if abs(n) > f(192.0):
+            return s1 * s1
+        return fma_f32(s2, j, s2) * s1
 
     @nb.njit
     def both(xs):
         a, b = np.empty_like(xs), np.empty_like(xs)
         for i in range(xs.size):
-            a[i], b[i] = v_expf(xs[i]), v_expf_lane(xs[i])
+            a[i], b[i] = branching(xs[i]), gm.v_expf(xs[i])
         return a, b
 
     rng = np.random.default_rng(7)

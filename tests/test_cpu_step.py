@@ -9,6 +9,7 @@ tokens) still gets the op-by-op answer.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -64,6 +65,17 @@ CASES = {
         weight_type=Q.Q8_0, overrides={"blk.1.ffn_down.weight": ((96, 64), Q.F16)}
     ),
 }
+
+
+@contextlib.contextmanager
+def _tiny_q4_1(tmp_path):
+    """The tiny Q4_1 llama (CASES["llama-q4_1"]) written and loaded on a 2-thread CPU
+    backend: (backend, model) while the file is open."""
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    backend = get_backend("cpu", n_threads=2)
+    with GGUFReader(path) as reader:
+        yield backend, load_model(reader, backend)
 
 
 def _decode(path, compiled: bool, n_ctx: int = 32):
@@ -125,11 +137,7 @@ def test_exact_arithmetic_and_new_prompts_never_compile(tmp_path):
 def test_speculative_rounds_compile_at_first_sight(tmp_path):
     """A verification batch (every row's logits) recurs in every round of its size: traced
     the first time, proven the second, compiled from the third."""
-    path = tmp_path / "m.gguf"
-    write_tiny_model(path, CASES["llama-q4_1"])
-    backend = get_backend("cpu", n_threads=2)
-    with GGUFReader(path) as reader:
-        model = load_model(reader, backend)
+    with _tiny_q4_1(tmp_path) as (backend, model):
         cache = model.new_cache(32)
         shape = ((3, (0, 1, 2)),)
         for round_ in range(3):
@@ -141,11 +149,7 @@ def test_speculative_rounds_compile_at_first_sight(tmp_path):
 
 
 def test_compiled_step_errors_name_the_problem(tmp_path):
-    path = tmp_path / "m.gguf"
-    write_tiny_model(path, CASES["llama-q4_1"])
-    backend = get_backend("cpu", n_threads=2)
-    with GGUFReader(path) as reader:
-        model = load_model(reader, backend)
+    with _tiny_q4_1(tmp_path) as (backend, model):
         cache = model.new_cache(4)
         for i in range(4):  # trace, prove, then compiled steps
             model.forward(np.array([65 + i]), i, cache)
@@ -221,11 +225,7 @@ def test_compiled_batches_equal_op_by_op(tmp_path, name):
 
 def test_batch_shapes_that_never_compile(tmp_path):
     """Two segments on one cache, or more rows than a program takes, run op by op."""
-    path = tmp_path / "m.gguf"
-    write_tiny_model(path, CASES["llama-q4_1"])
-    backend = get_backend("cpu", n_threads=2)
-    with GGUFReader(path) as reader:
-        model = load_model(reader, backend)
+    with _tiny_q4_1(tmp_path) as (backend, model):
         cache = model.new_cache(step.MAX_ROWS + 8)
         seg = [Segment(np.array([65]), 0, cache), Segment(np.array([66]), 1, cache)]
         assert step.batch_shape(seg) is None
@@ -254,11 +254,7 @@ def test_two_threads_stepping_one_engine(tmp_path):
     turn)."""
     import threading
 
-    path = tmp_path / "m.gguf"
-    write_tiny_model(path, CASES["llama-q4_1"])
-    backend = get_backend("cpu", n_threads=2)
-    with GGUFReader(path) as reader:
-        model = load_model(reader, backend)
+    with _tiny_q4_1(tmp_path) as (backend, model):
 
         def decode(tokens, out):
             cache = model.new_cache(64)
@@ -350,11 +346,7 @@ def test_kind_times_splits_a_kept_run_by_op(tmp_path):
     """With keep_last the compiler keeps its last trusted run (off by default: the run's
     cache addresses must not outlive the caches), and kind_times times each kind of the
     program's rows alone on it: every row counted once, the products among the kinds."""
-    path = tmp_path / "tiny.gguf"
-    write_tiny_model(path, CASES["llama-q4_1"])
-    backend = get_backend("cpu", n_threads=2)
-    with GGUFReader(path) as reader:
-        model = load_model(reader, backend)
+    with _tiny_q4_1(tmp_path) as (backend, model):
         cache = model.new_cache(32)
         model.forward(np.array(PROMPT), 0, cache)
         for i, tok in enumerate(DECODE[:4]):

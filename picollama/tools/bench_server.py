@@ -215,7 +215,7 @@ def profile_steps(
             print(f"  forward, outside the backend ops:               {glue:7.3f} ms")
             for k, v in sorted(per.items(), key=lambda kv: -kv[1]):
                 print(f"  {k:<14} {v:7.3f} ms")
-            last = getattr(getattr(be, "_steps", None), "last", None)
+            last = steps.last if steps is not None else None
             if compiled and last is not None:
                 from picollama.backends.cpu.step import kind_times
 
@@ -226,7 +226,7 @@ def profile_steps(
                 )
                 for kind, count, t in rows[1:]:
                     print(f"    {kind:<14} {t:7.3f} ms  {count:4d} rows")
-                be._steps.last = None
+                steps.last = None
             for r in reqs:
                 r.cancel()
             s.step()

@@ -42,34 +42,14 @@ _C1 = _F(float.fromhex("0x1.fffdb6p-2"))
 _C0 = _F(float.fromhex("0x1.ffffecp-1"))
 
 
-@nb.njit(**_JIT)
-def v_expf(x):
-    """One lane of ggml's AVX2 ``ggml_v_expf``: exp(x) for float32 ``x``."""
-    x = _F(x)
-    z = fma_f32(x, _LOG2E, _R)
-    n = z - _R
-    b = fma_f32(-n, _LN2_LO, fma_f32(-n, _LN2_HI, x))
-    e = (np.int64(bits_from_f32(z)) << 23) & 0xFFFFFFFF
-    k = f32_from_bits(np.uint32((e + 0x3F800000) & 0xFFFFFFFF))
-    u = b * b
-    j = fma_f32(fma_f32(fma_f32(_C4, b, _C3), u, fma_f32(_C2, b, _C1)), u, _C0 * b)
-    if not abs(n) > _F(126.0):
-        return fma_f32(j, k, k)
-    g = np.int64(0x82000000) if n <= _F(0.0) else np.int64(0)
-    s1 = f32_from_bits(np.uint32((g + 0x7F000000) & 0xFFFFFFFF))
-    s2 = f32_from_bits(np.uint32((e - g) & 0xFFFFFFFF))
-    if abs(n) > _F(192.0):
-        return s1 * s1
-    return fma_f32(s2, j, s2) * s1
-
-
 @nb.njit(inline="always", **_JIT)
-def v_expf_lane(x):
-    """``v_expf`` of float32 ``x`` without branches: the bits in 32-bit integers, both of
-    ggml's paths computed and the one |n| picks kept (as ggml's AVX2 code blends them), so
-    that a loop over it vectorizes (SwiGLU of 8 rows of 1536: 54 -> 37 us). The same
-    bits as ``v_expf`` (tests compare them over the whole range and at its edges)."""
+def v_expf(x):
+    """One lane of ggml's AVX2 ``ggml_v_expf``: exp(x) for float32 ``x``. Without branches:
+    the bits in 32-bit integers, both of ggml's paths computed and the one |n| picks kept (as
+    ggml's AVX2 code blends them), so that a loop over it vectorizes (SwiGLU of 8 rows of
+    1536: 54 -> 37 us); a test compares it with the branching form, bit for bit."""
     u32 = np.uint32
+    x = _F(x)
     z = fma_f32(x, _LOG2E, _R)
     n = z - _R
     b = fma_f32(-n, _LN2_LO, fma_f32(-n, _LN2_HI, x))
@@ -114,7 +94,7 @@ def _silu_mul_cols(gate, up, out, lo, hi):
         g, u, o = gate[r], up[r], out[r]
         for i in range(lo, mid):
             x = g[i]
-            o[i] = (x / (_F(1.0) + v_expf_lane(_F(0.0) - x))) * u[i]
+            o[i] = (x / (_F(1.0) + v_expf(_F(0.0) - x))) * u[i]
         for i in range(mid, hi):
             x = g[i]
             o[i] = (x / (_F(1.0) + expf(-x))) * u[i]  # ggml_silu_f32

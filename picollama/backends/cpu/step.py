@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import weakref
 
 import numba as nb
@@ -1013,8 +1014,6 @@ def kind_times(program: _Program, args: tuple, reps: int = 10) -> list[tuple[str
     ("all", rows, the whole program's ms). A benchmark's diagnostic: the runs leave the
     arena and the caches' rows of the step rewritten (``args``: a run's tokens, positions,
     starts, cache table and tasks, which must still point at live caches)."""
-    import time
-
     _, positions, starts, cmeta, n_tasks = args
     code, fargs = program.code, program.fargs
     # (a group of rows, the attention of several segments or LoRA terms, is one row read
