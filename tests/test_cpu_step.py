@@ -362,3 +362,31 @@ def test_kind_times_splits_a_kept_run_by_op(tmp_path):
     assert sum(kinds.values()) == len(program.code)
     assert {"matmul", "gated matmul", "attention", "rms_norm", "rope"} <= set(kinds)
     assert all(ms > 0 for _, _, ms in rows)
+
+
+def test_the_step_and_its_kernels_stay_cacheable(tmp_path):
+    """Every compiled function on the step's path can go to Numba's disk cache: one that
+    reaches a dynamic global (a ctypes pointer, ``numba.get_num_threads()`` in jitted code)
+    can't, and neither can anything that calls it, so each process would compile the whole
+    step again (about a minute on 2 cores) with only a NumbaWarning to show for it."""
+    from picollama.backends.cpu import qdot
+
+    Q4_0, Q4_1, Q8_0 = GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    _batched(path, compiled=True, rounds=2)
+    # a batch and a single row of each 32-weight type, as a server step takes them
+    rng = np.random.default_rng(3)
+    for qtype in (Q4_0, Q4_1, Q8_0):
+        w = rng.integers(0, 256, (8, 18 * {Q8_0: 34, Q4_0: 18, Q4_1: 20}[qtype]))
+        w = w.astype(np.uint8)
+        w[:, 1::2] &= 0xBF  # finite fp16 scales
+        for n in (1, 8, 40):
+            qdot.matmul_q8(rng.standard_normal((n, 576)).astype(np.float32), w, qtype, 576)
+    # (the functions Python calls: each one's code links in everything it calls, so one
+    # uncacheable callee makes it uncacheable too; loaded from the cache, it was cacheable)
+    dispatchers = [step._run] + [qdot._simd_kernel(int(t)) for t in (Q4_0, Q4_1, Q8_0)]
+    for d in dispatchers:
+        assert d.overloads, d
+        for sig, compiled in d.overloads.items():
+            assert not compiled.library.has_dynamic_globals, (d, sig)

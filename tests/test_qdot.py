@@ -125,6 +125,45 @@ def test_matmul_near_exact_product(qtype):
         assert np.all(np.abs(got - exact) <= bound), f"case {c}"
 
 
+def _q8_reference(x: np.ndarray, with_sum: bool) -> np.ndarray:
+    """ggml's AVX2 quantize_row_q8_0 / q8_1 in numpy, block by block: ggml's bytes."""
+    n, k = x.shape
+    blocks = x.reshape(n, k // 32, 32)
+    amax = np.abs(blocks).max(axis=2)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.clip(np.rint((blocks * inv[:, :, None]).astype(np.float32)), -128, 127).astype(np.int8)
+    head = [d.astype(np.float16).view(np.uint8).reshape(n, -1, 2)]
+    if with_sum:
+        s = (d * q.astype(np.int32).sum(axis=2).astype(np.float32)).astype(np.float32)
+        head.append(s.astype(np.float16).view(np.uint8).reshape(n, -1, 2))
+    return np.concatenate(head + [q.view(np.uint8)], axis=2).reshape(n, -1)
+
+
+@pytest.mark.parametrize("vtype", [GGMLType.Q8_0, GGMLType.Q8_1], ids=lambda t: t.name)
+def test_q8_quantization_of_awkward_blocks_is_ggml(vtype):
+    """The vector block quantizer (``q8_block``) on the blocks random rows rarely hold: all
+    zeros, one huge value among tiny ones, halves that round to even, negative zeros, values
+    whose fp16 scale is subnormal or overflows to infinity, and magnitudes from 1e-30 to 3e38."""
+    rng = np.random.default_rng(5)
+    rows = []
+    for scale in 10.0 ** np.arange(-30, 39, 3):
+        rows.append(rng.standard_normal(32 * 6) * scale)
+    special = np.zeros((6, 32))
+    special[1, 7] = 3e38
+    special[1, :7] = 1e-20
+    special[2] = np.arange(32) - 15.5  # x * id lands on many .5 ties
+    special[3] = -0.0
+    special[3, 5] = -1e-3
+    special[4] = rng.standard_normal(32) * 1e-6  # d below fp16's smallest normal
+    special[5] = rng.standard_normal(32) * 1e7  # d past fp16's largest finite
+    rows.append(special.reshape(-1))
+    x = np.concatenate(rows).astype(np.float32).reshape(-1, 96)
+    got = pack_rows(quantize_rows(x, vtype))
+    np.testing.assert_array_equal(got, _q8_reference(x, vtype == GGMLType.Q8_1))
+
+
 def test_fp16_conversion_matches_numpy():
     rng = np.random.default_rng(7)
     bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)

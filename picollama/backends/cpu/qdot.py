@@ -45,6 +45,7 @@ from picollama.backends.cpu.qdot_act import (
     _quantize_q8_k,
     _round_bf16,
     _round_f16,
+    quantize_packed,
     quantize_rows,
 )
 from picollama.backends.cpu.simd import (
@@ -66,6 +67,11 @@ TILE_ROWS = 64
 PREFETCH_TILES = 2
 
 _FAM_Q8_0, _FAM_Q8_1, _FAM_Q8_K = 0, 1, 2
+
+# A batch's activations are quantized by all threads from this many blocks of 32 on (rows
+# times blocks a row): below it a parallel region's start (~1.4 us on 2 threads) costs more
+# than it saves (a block takes ~16 ns; 8 rows of 576 are 144 blocks, of 1536 384).
+_PARALLEL_BLOCKS = 256
 
 # weight type: (row unpacker, family, block length)
 _QUANT = {
@@ -248,34 +254,6 @@ def _vec_dot_packed_few_overload(qtype, count, w, r, xqp, xdp, xsp, xcp, t, out,
     return impl
 
 
-@njit(cache=True)
-def _pack_blocks(xq, xd, xs, with_sum, with_offset):
-    """A batch's quantized activations block-major for ``vec_dot_packed``, as the four
-    arrays of ``_simd_parts``' quantize: quants (nb, 32 n), scales (nb, n), Q8_1 sums
-    (nb, n) (else (nb, 0)) and VNNI offsets, -128 times the sums of the quants four by four
-    (nb, 8 n) (else (nb, 0)). Done once a call, before the tasks split the weight rows."""
-    n, k = xq.shape
-    nb = k // 32
-    xqp = np.empty((nb, n * 32), np.int8)
-    xdp = np.empty((nb, n), np.float32)
-    xsp = np.empty((nb, n if with_sum else 0), np.float32)
-    xcp = np.empty((nb, n * 8 if with_offset else 0), np.int32)
-    for u in range(n):
-        for blk in range(nb):
-            xdp[blk, u] = xd[u, blk]
-            if with_sum:
-                xsp[blk, u] = xs[u, blk]
-            for j in range(32):
-                xqp[blk, 32 * u + j] = xq[u, 32 * blk + j]
-            if with_offset:
-                for g in range(8):
-                    e = 32 * blk + 4 * g
-                    s4 = np.int32(xq[u, e]) + np.int32(xq[u, e + 1])
-                    s4 += np.int32(xq[u, e + 2]) + np.int32(xq[u, e + 3])
-                    xcp[blk, 8 * u + g] = -128 * s4
-    return xqp, xdp, xsp, xcp
-
-
 @functools.cache
 def _simd_parts(qtype: int):
     """(quantize, rows) for a type with a SIMD block dot (``simd.vec_dot_rows``).
@@ -283,7 +261,8 @@ def _simd_parts(qtype: int):
     ``quantize(x)`` converts the activation rows to the type's dot type (in parallel over
     rows for a batch) and returns ``(xq, xd, xs, bsums)``, ``xs`` for Q8_1 each block's
     scale and sum side by side (n, 2 * blocks); for a batch of a 32-weight type, the four
-    are ``_pack_blocks``' block-major copies instead, which every task reads. ``rows(w,
+    are block-major instead (``qdot_act.quantize_packed``: quants, scales, Q8_1 sums and
+    VNNI offsets), which every task reads. ``rows(w,
     xq, xd, xs, bsums, out, r_lo, r_hi)`` fills ``out[:, r_lo:r_hi]`` (``out``'s rows say
     which layout it got): for decode row by row, for a batch each weight row once per tile
     of x rows, dotted with several x rows at a time."""
@@ -307,27 +286,26 @@ def _simd_parts(qtype: int):
             else:
                 for i in prange(n):
                     _quantize_q8_k(x[i : i + 1], xq[i : i + 1], xd[i : i + 1], bsums[i : i + 1])
+        elif n > 1:
+            # a batch: straight into the block-major layout every task reads, the blocks
+            # split among the threads when there are enough of them to pay for a region
+            xqp = np.empty((nb, n * 32), np.int8)
+            xdp = np.empty((nb, n), np.float32)
+            xsp = np.empty((nb, n if with_sum else 0), np.float32)
+            xcp = np.empty((nb, n * 8 if with_offset else 0), np.int32)
+            if n * nb >= _PARALLEL_BLOCKS:
+                for b in prange(nb):
+                    quantize_packed(x, xqp, xdp, xsp, xcp, b, b + 1)
+            else:
+                quantize_packed(x, xqp, xdp, xsp, xcp, 0, nb)
+            return xqp, xdp, xsp, xcp
         else:
             xd = np.empty((n, nb), np.float32)
             xs = np.empty((n, nb if with_sum else 0), np.float32)
             bsums = np.empty((n, 0), np.int32)
             dbits = np.empty((n, nb), np.uint16)
             sbits = np.empty((n, nb if with_sum else 0), np.uint16)
-            if n < 8:
-                _quantize_q8_0(x, xq, xd, dbits, xs, sbits, with_sum)
-            else:
-                for i in prange(n):
-                    _quantize_q8_0(
-                        x[i : i + 1],
-                        xq[i : i + 1],
-                        xd[i : i + 1],
-                        dbits[i : i + 1],
-                        xs[i : i + 1],
-                        sbits[i : i + 1],
-                        with_sum,
-                    )
-            if n > 1:
-                return _pack_blocks(xq, xd, xs, with_sum, with_offset)
+            _quantize_q8_0(x, xq, xd, dbits, xs, sbits, with_sum)
             if with_sum:
                 # the SIMD dots read a block's scale and sum as one pair
                 pairs = np.empty((n, 2 * nb), np.float32)
@@ -370,7 +348,7 @@ def _simd_parts(qtype: int):
             for r in range(r_lo, r_hi):
                 vec_dot_rows(qtype, 1, 1, w, r, xq, xd, xs, bsums, 0, out)
             return
-        # a batch: quantize packed x block-major (``_pack_blocks``: xq, xd, xs, bsums are
+        # a batch: quantize packed x block-major (``quantize_packed``: xq, xd, xs, bsums are
         # then the packed quants, scales, sums and offsets); each weight row is read from
         # memory once per tile of x rows and its blocks unpacked once per pass over up to
         # PACKED_GROUP rows

@@ -25,7 +25,10 @@ sums); ``pack_rows`` lays them out as ggml's blocks, for comparison with ggml's 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from picollama.backends.cpu.intrinsics import bits_from_f32, f16_bits, f32_from_bits, round_f16
 from picollama.gguf.constants import QK_K, GGMLType
@@ -37,7 +40,11 @@ __all__ = [
     "pack_rows",
     "f32_to_f16_bits",
     "f16_bits_to_f32",
+    "q8_block",
+    "quantize_packed",
 ]
+
+_F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 
 # ggml-cpu.c type_traits_cpu[...].vec_dot_type of each weight type we multiply.
 VEC_DOT_TYPE: dict[GGMLType, GGMLType] = {
@@ -104,40 +111,124 @@ def _bf16_round(f):
     return f32_from_bits(np.uint32((((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16) & 0xFFFFFFFF))
 
 
-@njit(cache=True, fastmath={"nnan"}, inline="always")
-def _block_amax(x, i, b0):
-    """max |x[i, b0:b0 + 32]|: a max is exact in any order, and with NaN ruled out LLVM
-    vectorizes it (as ggml's _mm256_max_ps does)."""
-    amax = np.float32(0.0)
-    for e in range(32):
-        amax = max(amax, abs(x[i, b0 + e]))
-    return amax
+def _lanes(b, v, idx):
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, len(idx)), list(idx)))
+
+
+def _declare(module, name, ret, args):
+    try:
+        return module.get_global(name)
+    except KeyError:
+        return ir.Function(module, ir.FunctionType(ret, args), name)
+
+
+@intrinsic
+def q8_block(typingctx, x, i, b0, qs, q0):
+    """ggml's AVX2 quantize_row_q8_0/1 on the block ``x[i, b0 : b0 + 32]`` (float32, rows
+    contiguous): its 32 quants go to ``qs[q0 : q0 + 32]`` (int8, 1-D contiguous), and it
+    returns ``(d, d * sum of the quants)`` in float32, before their fp16 rounding.
+
+    Vector code in LLVM's portable form, so the block is four 8-lane registers, as in ggml:
+    ``amax`` is a max over |x| (exact in any order; activations hold no NaN, and ggml's
+    _mm256_max_ps tree is no more particular), ``d = amax / 127``, ``id = 127 / amax`` (0
+    for an all-zero block), ``q = clamp(rint(x * id))`` (round half to even, the multiply
+    rounded first), and the sum of the quants in int32 (exact in any order). Numba's own
+    loop of these steps kept the max a chain of 32 scalar compares and the sum in int64."""
+    if x.dtype != types.float32 or qs.dtype != types.int8 or x.layout != "C":
+        return None
+    sig = types.UniTuple(types.float32, 2)(x, i, b0, qs, q0)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        x_t, i_t, b0_t, qs_t, q0_t = signature.args
+        x_v, i_v, b0_v, qs_v, q0_v = args
+        xa = context.make_array(x_t)(context, b, x_v)
+        stride0 = cgutils.unpack_tuple(b, xa.strides, x_t.ndim)[0]
+        row = context.cast(b, i_v, i_t, types.intp)
+        col = context.cast(b, b0_v, b0_t, types.intp)
+        at = b.add(b.mul(row, stride0), b.mul(col, ir.Constant(_I64, 4)))
+        v8 = ir.VectorType(_F32, 8)
+        xp = b.bitcast(b.gep(b.bitcast(xa.data, _I8.as_pointer()), [at]), v8.as_pointer())
+        xs = [b.load(b.gep(xp, [ir.Constant(_I64, c)]), align=4) for c in range(4)]
+        fabs = _declare(b.module, "llvm.fabs.v8f32", v8, [v8])
+        rint = _declare(b.module, "llvm.rint.v8f32", v8, [v8])
+
+        def vmax(p, q):
+            return b.select(b.fcmp_ordered(">", p, q), p, q)
+
+        a = [b.call(fabs, [v]) for v in xs]
+        m = vmax(vmax(a[0], a[1]), vmax(a[2], a[3]))
+        m = vmax(_lanes(b, m, range(4)), _lanes(b, m, range(4, 8)))
+        m = vmax(_lanes(b, m, range(2)), _lanes(b, m, range(2, 4)))
+        amax = vmax(*(b.extract_element(m, ir.Constant(_I32, j)) for j in range(2)))
+        c127 = ir.Constant(_F32, 127.0)
+        zero = ir.Constant(_F32, 0.0)
+        d = b.fdiv(amax, c127)
+        inv = b.select(b.fcmp_unordered("!=", amax, zero), b.fdiv(c127, amax), zero)
+        inv8 = b.insert_element(ir.Constant(v8, None), inv, ir.Constant(_I32, 0))
+        inv8 = _lanes(b, inv8, [0] * 8)
+        lo = ir.Constant(v8, [ir.Constant(_F32, -128.0)] * 8)
+        hi = ir.Constant(v8, [c127] * 8)
+        qa = context.make_array(qs_t)(context, b, qs_v)
+        q_at = context.cast(b, q0_v, q0_t, types.intp)
+        qp = b.gep(b.bitcast(qa.data, _I8.as_pointer()), [q_at])
+        qp = b.bitcast(qp, ir.VectorType(_I8, 8).as_pointer())
+        total = None
+        for c in range(4):
+            r = b.call(rint, [b.fmul(xs[c], inv8)])
+            r = b.select(b.fcmp_ordered("<", r, lo), lo, r)
+            r = b.select(b.fcmp_ordered(">", r, hi), hi, r)
+            q = b.fptosi(r, ir.VectorType(_I32, 8))
+            b.store(b.trunc(q, ir.VectorType(_I8, 8)), b.gep(qp, [ir.Constant(_I64, c)]), align=1)
+            total = q if total is None else b.add(total, q)
+        total = b.add(_lanes(b, total, range(4)), _lanes(b, total, range(4, 8)))
+        total = b.add(_lanes(b, total, range(2)), _lanes(b, total, range(2, 4)))
+        total = b.add(*(b.extract_element(total, ir.Constant(_I32, j)) for j in range(2)))
+        sd = b.fmul(d, b.sitofp(total, _F32))
+        return context.make_tuple(b, signature.return_type, [d, sd])
+
+    return sig, codegen
 
 
 @njit(cache=True)
 def _quantize_q8_0(x, qs, d, dbits, s, sbits, with_sum):
-    """Q8_0 (and Q8_1 when ``with_sum``) of each row of x: AVX2 quantize_row_q8_0/1. Written
-    so that LLVM vectorizes each block's loops (no branch in them), with fp16 conversions
-    by F16C where the CPU has it."""
+    """Q8_0 (and Q8_1 when ``with_sum``) of each row of x: AVX2 quantize_row_q8_0/1
+    (``q8_block``), with fp16 conversions by F16C where the CPU has it."""
     n, k = x.shape
     for i in range(n):
+        row = qs[i]
         for b in range(k // 32):
-            b0 = b * 32
-            amax = _block_amax(x, i, b0)
-            db = np.float32(amax / np.float32(127.0))
-            idl = np.float32(np.float32(127.0) / amax) if amax != 0 else np.float32(0.0)
-            total = 0
-            for e in range(32):
-                v = np.rint(np.float32(x[i, b0 + e] * idl))
-                q = np.int32(min(max(v, np.float32(-128.0)), np.float32(127.0)))  # packs
-                qs[i, b0 + e] = q
-                total += q
+            db, sd = q8_block(x, i, b * 32, row, b * 32)
             dbits[i, b] = f16_bits(db)
             d[i, b] = round_f16(db)
             if with_sum:
-                sd = np.float32(db * np.float32(total))
                 sbits[i, b] = f16_bits(sd)
                 s[i, b] = round_f16(sd)
+
+
+@njit(cache=True, nogil=True)
+def quantize_packed(x, xqp, xdp, xsp, xcp, lo, hi):
+    """Blocks ``lo .. hi`` of every row of x quantized as ``_quantize_q8_0`` does, written
+    block-major for the batched dots (``simd.vec_dot_packed``): row u's quants of block b at
+    ``xqp[b, 32 u : 32 u + 32]``, its scale at ``xdp[b, u]``, its Q8_1 sum at ``xsp[b, u]``
+    (when ``xsp`` has columns) and, when ``xcp`` has columns, -128 times the sums of its
+    quants four by four at ``xcp[b, 8 u : 8 u + 8]`` (the VNNI dots' offsets)."""
+    n = x.shape[0]
+    with_sum = xsp.shape[1] > 0
+    with_offset = xcp.shape[1] > 0
+    for b in range(lo, hi):
+        qrow = xqp[b]
+        for u in range(n):
+            db, sd = q8_block(x, u, b * 32, qrow, 32 * u)
+            xdp[b, u] = round_f16(db)
+            if with_sum:
+                xsp[b, u] = round_f16(sd)
+            if with_offset:
+                for g in range(8):
+                    e = 32 * u + 4 * g
+                    s4 = np.int32(qrow[e]) + np.int32(qrow[e + 1])
+                    s4 += np.int32(qrow[e + 2]) + np.int32(qrow[e + 3])
+                    xcp[b, 8 * u + g] = -128 * s4
 
 
 @njit(cache=True)
@@ -222,6 +313,7 @@ _EMPTY_U16 = np.zeros((0, 0), np.uint16)
 
 def quantize_rows(x: np.ndarray, vtype: GGMLType) -> QuantizedRows:
     """Convert float32 rows ``x`` (n, k) to ``vtype`` as ggml-cpu's ``from_float`` does."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
     n, k = x.shape
     vtype = GGMLType(vtype)
     if vtype in (GGMLType.Q8_0, GGMLType.Q8_1):
