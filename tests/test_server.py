@@ -262,6 +262,40 @@ def test_scheduler_survives_a_request_that_cannot_start(smollm2_path):
         sched.stop()
 
 
+def test_a_request_that_does_not_stream_gets_its_events_at_the_end(smollm2_path):
+    """A non-streamed request's token events wait in the scheduler and reach its queue with
+    the last one (its handler thread wakes once, not once a token), the same events, in the
+    same order, as a streamed request with the same seed gets one by one."""
+    from picollama.generation import Engine
+    from picollama.sampling.samplers import Sampler, SamplingParams
+    from picollama.server.scheduler import GenRequest, Scheduler
+
+    sched = Scheduler(Engine(smollm2_path), 2, 128)
+    prompt = [1, 504, 3458, 314]
+
+    def request(stream):
+        params = SamplingParams(temperature=0.8, seed=7)
+        return GenRequest(prompt, Sampler(params), 12, ignore_eos=True, stream=stream)
+
+    sched.start()
+    try:
+        held, streamed = request(False), request(True)
+        sched.submit([held, streamed])
+        first = streamed.out.get(timeout=120)
+        assert first.kind == "token"
+        assert held.out.empty()  # the other slot has decoded its first token too
+        events = {}
+        for req in (held, streamed):
+            got = [] if req is held else [first]
+            while not got or got[-1].kind == "token":
+                got.append(req.out.get(timeout=120))
+            events[req.stream] = [(e.kind, e.text, e.token, e.finish_reason) for e in got]
+        assert events[False] == events[True]
+        assert len(events[True]) == 13 and events[True][-1][3] == "length"
+    finally:
+        sched.stop()
+
+
 class _Cache:
     """A KV cache's shape as the prefix tree sees it: per-layer arrays indexed by position."""
 

@@ -505,6 +505,7 @@ class App:
         id_slot = P.get_int(body, "id_slot", -1, lo=-1, hi=self.config.n_slots - 1)
         params = self._sampling(body, self.engine.n_vocab)
         lora = self._lora_scales(body)
+        stream = P.get_bool(body, "stream", False)
         out = []
         q: queue.Queue[Event] = queue.Queue()
         for i, prompt in enumerate(prompts):
@@ -530,6 +531,7 @@ class App:
                         cache_prompt=cache_prompt,
                         id_slot=id_slot,
                         lora=lora,
+                        stream=stream,
                         out=q,
                     )
                 )

@@ -74,12 +74,27 @@ class GenRequest:
     cache_prompt: bool = True
     id_slot: int = -1  # llama.cpp's id_slot: -1 lets the scheduler choose
     lora: tuple[float, ...] | None = None  # a scale per loaded LoRA adapter (None: none loaded)
+    # False: the handler wants the whole answer only, so token events wait here and go out
+    # with the last one: its thread wakes once a request instead of once a token (on a
+    # small CPU, each wake-up takes the core a decode step is using)
+    stream: bool = True
     out: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_submit: float = field(default_factory=time.perf_counter)
+    held: list[Event] = field(default_factory=list)
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def emit(self, ev: Event) -> None:
+        """Send ``ev`` to the handler (a token of a request that does not stream: later)."""
+        if ev.kind == "token" and not self.stream:
+            self.held.append(ev)
+            return
+        for held in self.held:
+            self.out.put(held)
+        self.held.clear()
+        self.out.put(ev)
 
 
 class Slot:
@@ -281,7 +296,7 @@ class Scheduler:
             if req.cancelled.is_set():
                 self._pending.popleft()
                 self.n_requests_cancelled += 1
-                req.out.put(Event("done", req.index, finish_reason="cancelled", stats={}))
+                req.emit(Event("done", req.index, finish_reason="cancelled", stats={}))
                 continue
             free = [s for s in self.slots if not s.is_busy and s not in (x for x, _ in out)]
             if not free:
@@ -451,11 +466,11 @@ class Scheduler:
                 top = [(int(i), float(lp[i])) for i in idx]
         text = s.stops.push(s.decoder.push(token))
         if s.stops.hit:
-            req.out.put(Event("token", req.index, text, token, logprob, top))
+            req.emit(Event("token", req.index, text, token, logprob, top))
             s.stop_type = "word"
             self._finish(s, "stop")
             return
-        req.out.put(Event("token", req.index, text, token, logprob, top))
+        req.emit(Event("token", req.index, text, token, logprob, top))
         if s.n_decoded >= req.max_tokens or len(s.ctx.tokens) >= s.ctx.n_ctx:
             s.stop_type = "limit"
             self._finish(s, "length")  # (or "stop", if the flushed tail ends in a stop string)
@@ -487,14 +502,14 @@ class Scheduler:
                 else:
                     tail += s.stops.flush()
                 if tail:
-                    req.out.put(Event("token", req.index, tail))
+                    req.emit(Event("token", req.index, tail))
             self.n_requests_done += 1
             self._remember(s)
         stats["stop_type"] = s.stop_type
         if reason == "error":
-            req.out.put(Event("error", req.index, message=message, stats=stats))
+            req.emit(Event("error", req.index, message=message, stats=stats))
         else:
-            req.out.put(Event("done", req.index, finish_reason=reason, stats=stats))
+            req.emit(Event("done", req.index, finish_reason=reason, stats=stats))
         s.req = None
         s.pending = []
         s.next_token = None
