@@ -7,7 +7,8 @@
 
 Writes GGUF files with the shapes of SmolLM2-135M, Llama-3.2-1B and Llama-3-8B (random
 weights drawn with fixed seeds, quantized like Q4_K_M: Q4_K, with Q6_K for ffn_down and the
-output matrix; and Q8_0 for the 135M shape), then runs each in a fresh process: pp<N> is
+output matrix; Q8_0; or Q4_1 with Q8_0 tied embeddings, as SmolLM2's Q4_1 file, for the CPU
+server's benchmark on hosts the real file can't reach), then runs each in a fresh process: pp<N> is
 tokens/s of one prompt batch of N tokens, tg<N> of N tokens decoded one at a time (CUDA
 graphs), each the mean of -r runs after a warm-up; "pp<N> GPU-only" is N over the GPU's
 own time for that batch (the host's dispatch hidden behind a spinning kernel), so that a
@@ -69,12 +70,14 @@ SHAPES = {
 }
 
 # mix -> (default type, type of ffn_down / output / tied embeddings)
-MIXES = {"q4_k_m": ("Q4_K", "Q6_K"), "q8_0": ("Q8_0", "Q8_0")}
-FILE_TYPES = {"q4_k_m": 15, "q8_0": 7}  # general.file_type (llama_ftype), as llama-quantize writes
+MIXES = {"q4_k_m": ("Q4_K", "Q6_K"), "q8_0": ("Q8_0", "Q8_0"), "q4_1": ("Q4_1", "Q4_1")}
+# tied embeddings of another type than the mix's second (SmolLM2's Q4_1 file: Q8_0)
+EMBEDDING_TYPES = {"q4_1": "Q8_0"}
+FILE_TYPES = {"q4_k_m": 15, "q8_0": 7, "q4_1": 3}  # general.file_type, as llama-quantize writes
 _FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # rows not a multiple of 256
 
 # offsets of the fp16 scale fields that must hold finite values, per type
-_SCALE_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,)}
+_SCALE_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2)}
 
 
 def _random_tensor(rng, qtype_name: str, k: int, m: int) -> tuple[np.ndarray, int]:
@@ -152,7 +155,8 @@ def write_model(path: str, shape_name: str, mix: str, seed: int = 0) -> int:
         total += v.nbytes
 
     d, hd = s.n_embd, s.head_dim
-    matrix("token_embd.weight", d, s.n_vocab, big_type if s.tied else main_type)
+    embd_type = EMBEDDING_TYPES.get(mix, big_type) if s.tied else main_type
+    matrix("token_embd.weight", d, s.n_vocab, embd_type)
     for i in range(s.n_layers):
         p = f"blk.{i}."
         vector(p + "attn_norm.weight", d)
