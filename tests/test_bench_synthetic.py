@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from picollama.backends.cuda.bench_synthetic import write_model
+from picollama.backends.cuda.bench_synthetic import main
 from picollama.generation import Context
 from picollama.gguf import GGMLType, GGUFReader
 
 
-def test_the_135m_q4_1_file_has_smollm2_q4_1s_layout_and_decodes_on_the_cpu(tmp_path):
+def test_the_135m_q4_1_file_has_smollm2_q4_1s_layout_and_decodes_on_the_cpu(tmp_path, capsys):
+    """``--write-only`` writes it with no GPU, and the CPU backend runs it."""
+    assert main(["--models", "135m-q4_1", "--write-only", "--dir", str(tmp_path)]) == 0
     path = tmp_path / "synth-135m-q4_1.gguf"
-    write_model(str(path), "135m", "q4_1", seed=1)
+    assert capsys.readouterr().out.splitlines()[-1] == str(path)
     with GGUFReader(path) as reader:
         assert reader.get("general.file_type") == 3  # LLAMA_FTYPE_MOSTLY_Q4_1
         types = {t.name: t.type for t in reader.tensors}

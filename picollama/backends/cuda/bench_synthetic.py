@@ -718,8 +718,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one model, in-process
     p.add_argument("--kernels", action="store_true", help="time single matvecs and exit")
+    p.add_argument(
+        "--write-only",
+        action="store_true",
+        help="write the --models files into --dir and exit (no GPU needed)",
+    )
     p.add_argument("--sweep", action="store_true", help="time int8 matvec build variants")
     args = p.parse_args(argv)
+
+    if args.write_only:
+        os.makedirs(args.dir, exist_ok=True)
+        for spec in args.models.split(","):
+            print(_model_path(args.dir, spec), flush=True)
+        return 0
 
     if args.sweep:
         for label, name, us, gbs in mvq_sweep():
