@@ -259,7 +259,7 @@ def _simd_parts(qtype: int):
     """(quantize, rows) for a type with a SIMD block dot (``simd.vec_dot_rows``).
 
     ``quantize(x)`` converts the activation rows to the type's dot type (in parallel over
-    rows for a batch) and returns ``(xq, xd, xs, bsums)``, ``xs`` for Q8_1 each block's
+    rows or blocks for a batch) and returns ``(xq, xd, xs, bsums)``, ``xs`` for Q8_1 each block's
     scale and sum side by side (n, 2 * blocks); for a batch of a 32-weight type, the four
     are block-major instead (``qdot_act.quantize_packed``: quants, scales, Q8_1 sums and
     VNNI offsets), which every task reads. ``rows(w,
@@ -275,9 +275,9 @@ def _simd_parts(qtype: int):
     @njit(cache=True, parallel=True)
     def quantize(x):
         n, k = x.shape
-        xq = np.empty((n, k), np.int8)
         nb = k // 32
         if k_quant:
+            xq = np.empty((n, k), np.int8)
             xd = np.empty((n, k // QK_K), np.float32)
             bsums = np.empty((n, k // 16), np.int32)
             xs = np.empty((n, 0), np.float32)
@@ -300,6 +300,7 @@ def _simd_parts(qtype: int):
                 quantize_packed(x, xqp, xdp, xsp, xcp, 0, nb)
             return xqp, xdp, xsp, xcp
         else:
+            xq = np.empty((n, k), np.int8)
             xd = np.empty((n, nb), np.float32)
             xs = np.empty((n, nb if with_sum else 0), np.float32)
             bsums = np.empty((n, 0), np.int32)
