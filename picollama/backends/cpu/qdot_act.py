@@ -31,6 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from picollama.backends.cpu.intrinsics import bits_from_f32, f16_bits, f32_from_bits, round_f16
+from picollama.backends.cpu.simd import _mask, _Ops, _splat, _vec
 from picollama.gguf.constants import QK_K, GGMLType
 
 __all__ = [
@@ -112,14 +113,7 @@ def _bf16_round(f):
 
 
 def _lanes(b, v, idx):
-    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, len(idx)), list(idx)))
-
-
-def _declare(module, name, ret, args):
-    try:
-        return module.get_global(name)
-    except KeyError:
-        return ir.Function(module, ir.FunctionType(ret, args), name)
+    return b.shuffle_vector(v, v, _mask(list(idx)))
 
 
 @intrinsic
@@ -147,11 +141,11 @@ def q8_block(typingctx, x, i, b0, qs, q0):
         row = context.cast(b, i_v, i_t, types.intp)
         col = context.cast(b, b0_v, b0_t, types.intp)
         at = b.add(b.mul(row, stride0), b.mul(col, ir.Constant(_I64, 4)))
-        v8 = ir.VectorType(_F32, 8)
+        v8 = _vec(_F32, 8)
         xp = b.bitcast(b.gep(b.bitcast(xa.data, _I8.as_pointer()), [at]), v8.as_pointer())
         xs = [b.load(b.gep(xp, [ir.Constant(_I64, c)]), align=4) for c in range(4)]
-        fabs = _declare(b.module, "llvm.fabs.v8f32", v8, [v8])
-        rint = _declare(b.module, "llvm.rint.v8f32", v8, [v8])
+        fabs = _Ops(b)._intrinsic("llvm.fabs.v8f32", v8, [v8])
+        rint = _Ops(b)._intrinsic("llvm.rint.v8f32", v8, [v8])
 
         def vmax(p, q):
             return b.select(b.fcmp_ordered(">", p, q), p, q)
@@ -167,19 +161,18 @@ def q8_block(typingctx, x, i, b0, qs, q0):
         inv = b.select(b.fcmp_unordered("!=", amax, zero), b.fdiv(c127, amax), zero)
         inv8 = b.insert_element(ir.Constant(v8, None), inv, ir.Constant(_I32, 0))
         inv8 = _lanes(b, inv8, [0] * 8)
-        lo = ir.Constant(v8, [ir.Constant(_F32, -128.0)] * 8)
-        hi = ir.Constant(v8, [c127] * 8)
+        lo, hi = _splat(_F32, 8, -128.0), _splat(_F32, 8, 127.0)
         qa = context.make_array(qs_t)(context, b, qs_v)
         q_at = context.cast(b, q0_v, q0_t, types.intp)
         qp = b.gep(b.bitcast(qa.data, _I8.as_pointer()), [q_at])
-        qp = b.bitcast(qp, ir.VectorType(_I8, 8).as_pointer())
+        qp = b.bitcast(qp, _vec(_I8, 8).as_pointer())
         total = None
         for c in range(4):
             r = b.call(rint, [b.fmul(xs[c], inv8)])
             r = b.select(b.fcmp_ordered("<", r, lo), lo, r)
             r = b.select(b.fcmp_ordered(">", r, hi), hi, r)
-            q = b.fptosi(r, ir.VectorType(_I32, 8))
-            b.store(b.trunc(q, ir.VectorType(_I8, 8)), b.gep(qp, [ir.Constant(_I64, c)]), align=1)
+            q = b.fptosi(r, _vec(_I32, 8))
+            b.store(b.trunc(q, _vec(_I8, 8)), b.gep(qp, [ir.Constant(_I64, c)]), align=1)
             total = q if total is None else b.add(total, q)
         total = b.add(_lanes(b, total, range(4)), _lanes(b, total, range(4, 8)))
         total = b.add(_lanes(b, total, range(2)), _lanes(b, total, range(2, 4)))

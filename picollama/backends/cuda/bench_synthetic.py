@@ -453,16 +453,18 @@ def mvq_sweep(reps: int = 64) -> list[tuple[str, str, float, float]]:
     each of MVQ_VARIANTS' macros."""
     from picollama.backends.cuda import layout
 
-    source = layout.quant_source
+    saved = os.environ.get(layout.DEFINES_ENV)
     out = []
     try:
         for label, macros in MVQ_VARIANTS:
-            head = "".join(f"#define {k} {v}\n" for k, v in macros.items())
-            layout.quant_source = lambda qtype, head=head: head + source(qtype)
+            os.environ[layout.DEFINES_ENV] = ",".join(f"{k}={v}" for k, v in macros.items())
             for name, us, gbs in kernel_bench(reps, SWEEP_SHAPES, arithmetics=("ggml",)):
                 out.append((label, name, us, gbs))
     finally:
-        layout.quant_source = source
+        if saved is None:
+            os.environ.pop(layout.DEFINES_ENV, None)
+        else:
+            os.environ[layout.DEFINES_ENV] = saved
     return out
 
 
