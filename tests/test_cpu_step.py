@@ -369,7 +369,7 @@ def test_the_step_and_its_kernels_stay_cacheable(tmp_path):
     reaches a dynamic global (a ctypes pointer, ``numba.get_num_threads()`` in jitted code)
     can't, and neither can anything that calls it, so each process would compile the whole
     step again (about a minute on 2 cores) with only a NumbaWarning to show for it."""
-    from picollama.backends.cpu import qdot
+    from picollama.backends.cpu import qdot, simd_x8
 
     Q4_0, Q4_1, Q8_0 = GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0
     path = tmp_path / "m.gguf"
@@ -382,10 +382,14 @@ def test_the_step_and_its_kernels_stay_cacheable(tmp_path):
         w = w.astype(np.uint8)
         w[:, 1::2] &= 0xBF  # finite fp16 scales
         for n in (1, 8, 40):
-            qdot.matmul_q8(rng.standard_normal((n, 576)).astype(np.float32), w, qtype, 576)
+            x = rng.standard_normal((n, 576)).astype(np.float32)
+            qdot.matmul_q8(x, w, qtype, 576)
+            if qtype in simd_x8.X8_TYPES:
+                simd_x8.matmul_x8(x, [simd_x8.repack(w, qtype)], qtype, 576)
     # (the functions Python calls: each one's code links in everything it calls, so one
     # uncacheable callee makes it uncacheable too; loaded from the cache, it was cacheable)
     dispatchers = [step._run] + [qdot._simd_kernel(int(t)) for t in (Q4_0, Q4_1, Q8_0)]
+    dispatchers += [simd_x8._kernel3(int(t)) for t in (Q4_0, Q4_1)]
     for d in dispatchers:
         assert d.overloads, d
         for sig, compiled in d.overloads.items():

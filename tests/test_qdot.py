@@ -346,6 +346,13 @@ for name in __TYPES__:
             w, x, out = f[f"w{c}"], f[f"x{c}"], f[f"out{c}"]
             got = matmul_q8(x, w, t, x.shape[1])
             np.save("__OUT__/mm_%s_%d.npy" % (name, c), got)
+from picollama.backends.cpu import simd_x8
+for name in ("Q4_0", "Q4_1"):
+    with np.load("__DATA__/" + name + ".npz") as f:
+        w, x = f["w2"][:32], f["x2"]
+    t = GGMLType[name]
+    got = simd_x8.matmul_x8(x, [simd_x8.repack(w, t)], t, x.shape[1])[0]
+    np.save("__OUT__/x8_%s.npy" % name, got)
 rng = np.random.default_rng(3)
 k = rng.standard_normal((80, 2, 64)).astype(np.float16)
 v = rng.standard_normal((80, 2, 64)).astype(np.float16)
@@ -377,6 +384,7 @@ def test_fallback_isa_paths_give_the_same_bits(isa, tmp_path):
     import subprocess
     import sys
 
+    from picollama.backends.cpu import simd_x8
     from picollama.backends.cpu.attention import attention
 
     script = (
@@ -397,6 +405,11 @@ def test_fallback_isa_paths_give_the_same_bits(isa, tmp_path):
             w, x, _, _ = load_case(GGMLType[name], c)
             native = matmul_q8(x, w, GGMLType[name], x.shape[1])
             assert np.array_equal(np.load(tmp_path / f"mm_{name}_{c}.npy"), native), (name, c)
+    for name in ("Q4_0", "Q4_1"):  # the x8 dots (simd_x8)
+        w, x, _, _ = load_case(GGMLType[name], 2)
+        t = GGMLType[name]
+        native = simd_x8.matmul_x8(x, [simd_x8.repack(w[:32], t)], t, x.shape[1])[0]
+        assert np.array_equal(np.load(tmp_path / f"x8_{name}.npy"), native), name
     rng = np.random.default_rng(3)
     k = rng.standard_normal((80, 2, 64)).astype(np.float16)
     v = rng.standard_normal((80, 2, 64)).astype(np.float16)

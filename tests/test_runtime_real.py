@@ -27,19 +27,26 @@ LLAMA_CPP = json.loads((DATA / "llama_cpp_refs.json").read_text())
 TRANSFORMERS = json.loads((DATA / "transformers_refs.json").read_text())
 
 # Where greedy paths part, the two engines must have been at a near-tie: our token among
-# llama.cpp's top 5, within this many nats of its first choice. Our arithmetic follows
-# ggml's op for op (integer block dots, F16 cache, its flash attention, exp, RoPE and GELU
-# roundings): SmolLM2's logits equal llama.cpp's bit for bit, so all its prompts match;
-# Gemma 3's Q4_K and Q6_K matmuls go through kernels whose float order we do not mirror
-# (llama.cpp repacks Q4_K rows), which moves its logits by up to ~0.2 nats.
+# llama.cpp's top 5, within this many nats of its first choice. With ``--no-repack`` our
+# arithmetic follows ggml's op for op (integer block dots, F16 cache, its flash attention,
+# exp, RoPE and GELU roundings): SmolLM2's logits equal llama.cpp's bit for bit, so all its
+# prompts match. By default SmolLM2's Q4_1 matrices are multiplied 8 rows at a time
+# (``simd_x8``), and Gemma 3's Q4_K and Q6_K ones through kernels whose float order we do
+# not mirror (llama.cpp repacks Q4_K rows): float32 rounding then flips an occasional
+# 8-bit activation or F16 cache rounding, which moves logits by up to ~0.2 nats, so paths
+# part at near-ties within 32 tokens (4 of SmolLM2's 6 prompts, at gaps of 0.003 to 0.15
+# nats, when this was written); the per-token check is what holds them.
 NEAR_TIE_NATS = 0.25
-FULL_MATCHES = {SMOLLM2: 6, GEMMA3: 3}
+SMOLLM2_PLAIN = SMOLLM2 + " --no-repack"
+FULL_MATCHES = {SMOLLM2_PLAIN: 6, SMOLLM2: 0, GEMMA3: 3}
 
 
-@pytest.fixture(scope="module", params=[SMOLLM2, GEMMA3])
+@pytest.fixture(scope="module", params=[SMOLLM2, SMOLLM2_PLAIN, GEMMA3])
 def ctx(request):
-    c = Context(model_path(request.param), n_ctx=1024, n_threads=2)
-    c.name = request.param
+    name = request.param.split()[0]
+    backend = get_backend("cpu", n_threads=2, repack=request.param != SMOLLM2_PLAIN)
+    c = Context(model_path(name), n_ctx=1024, backend=backend)
+    c.name, c.case = name, request.param
     yield c
     c.close()
 
@@ -60,12 +67,12 @@ def test_greedy_matches_llama_cpp(ctx):
         top = dict(ref["top"][i])
         assert ours[i] in top, (ref["prompt"], i, ours[i], ref["top"][i])
         assert ref["top"][i][0][1] - top[ours[i]] < NEAR_TIE_NATS, (ref["prompt"], i, top)
-    assert full_matches >= FULL_MATCHES[ctx.name], f"{full_matches} prompts match 32 tokens"
+    assert full_matches >= FULL_MATCHES[ctx.case], f"{full_matches} prompts match 32 tokens"
 
 
 def test_perplexity_matches_llama_cpp(ctx):
-    """llama-perplexity's figure at c=512 on the whole license text, within 0.5% (SmolLM2:
-    equal; Gemma 3: 0.3% below, see NEAR_TIE_NATS for why)."""
+    """llama-perplexity's figure at c=512 on the whole license text, within 0.5% (SmolLM2
+    with --no-repack: equal; repacked and Gemma 3: see NEAR_TIE_NATS for why not)."""
     ref = LLAMA_CPP[ctx.name]["perplexity"]
     text = (DATA / ref["file"]).read_text(encoding="utf-8")
     tokens = ctx.tokenizer.encode(text, parse_special=True)

@@ -42,6 +42,7 @@ from picollama.backends.cpu.intrinsics import f16_bits
 from picollama.backends.cpu.lora_kernels import LoraB, _row, lora_rows
 from picollama.backends.cpu.qdot import float_convert, float_rows, simd_quantize, simd_rows
 from picollama.backends.cpu.simd import SIMD_TYPES
+from picollama.backends.cpu.simd_x8 import X8_TYPES, x8_quantize, x8_rows
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["StepCompiler"]
@@ -85,6 +86,11 @@ _Q8_0 = int(GGMLType.Q8_0)
 _Q4_K = int(GGMLType.Q4_K)
 _Q6_K = int(GGMLType.Q6_K)
 assert {_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q6_K} == {int(t) for t in SIMD_TYPES}
+# a Q4_0 / Q4_1 weight in the x8 layout (``simd_x8``) has this added to its type in ``wmeta``
+_X8 = 256
+_Q4_0X8 = _X8 + _Q4_0
+_Q4_1X8 = _X8 + _Q4_1
+assert {_Q4_0X8 - _X8, _Q4_1X8 - _X8} == {int(t) for t in X8_TYPES}
 _F32 = int(GGMLType.F32)
 _F16 = int(GGMLType.F16)
 _BF16 = int(GGMLType.BF16)
@@ -147,7 +153,10 @@ def _cache(cmeta, seg, which, layer):
 
 @nb.njit(cache=True, nogil=True)
 def _quantize_any(qt, x):
-    """x (1, k) in the dot type of weight type ``qt``: ``(xq, xd, xs, bsums)``."""
+    """x (n, k) in the dot type of weight type ``qt``: ``(xq, xd, xs, bsums)``."""
+    if qt == _Q4_0X8 or qt == _Q4_1X8:
+        xq, xd, xs = x8_quantize(x, qt == _Q4_0X8)
+        return xq, xd, xs, np.empty((0, 0), np.int32)
     if qt == _Q4_0:
         return simd_quantize(_Q4_0, x)
     if qt == _Q4_1:
@@ -165,8 +174,12 @@ def _quantize_any(qt, x):
 
 @nb.njit(cache=True, nogil=True)
 def _rows_any(qt, w, xq, xd, xs, bsums, out, lo, hi):
-    """Outputs ``lo..hi`` of ``x @ W.T`` for weights of type ``qt``."""
-    if qt == _Q4_0:
+    """Outputs ``lo..hi`` of ``x @ W.T`` for weights of type ``qt`` (x8: multiples of 8)."""
+    if qt == _Q4_0X8:
+        x8_rows(_Q4_0, w, xq, xd, xs, out, lo // 8, hi // 8)
+    elif qt == _Q4_1X8:
+        x8_rows(_Q4_1, w, xq, xd, xs, out, lo // 8, hi // 8)
+    elif qt == _Q4_0:
         simd_rows(_Q4_0, w, xq, xd, xs, bsums, out, lo, hi)
     elif qt == _Q4_1:
         simd_rows(_Q4_1, w, xq, xd, xs, bsums, out, lo, hi)
@@ -226,6 +239,15 @@ def _activation(qt, x):
     return np.empty((0, 0), np.float32), xq, xd, xs, bsums
 
 
+@nb.njit(inline="always")
+def _span(qt, m, t, n_tasks):
+    """Task ``t``'s rows of a product of ``m`` rows: whole groups of 8 for x8 weights."""
+    if qt >= _X8:
+        g = m // 8
+        return 8 * (t * g // n_tasks), 8 * ((t + 1) * g // n_tasks)
+    return t * m // n_tasks, (t + 1) * m // n_tasks
+
+
 @nb.njit(nogil=True)
 def _product_rows(qt, wmeta, wid, act, out, lo, hi):
     """Outputs ``lo..hi`` of the product with weight ``wid`` of type ``qt`` (``act``: the
@@ -264,10 +286,12 @@ def _matmuls(arena, src, n, k, wmeta, ins, n_tasks, act, act_dst, gelu):
     m_act = m0 if act >= 0 else 0
     out = arena[max(act_dst, 0) : max(act_dst, 0) + n * m_act].reshape(n, m_act)
     for t in prange(n_tasks):
-        lo, hi = t * m0 // n_tasks, (t + 1) * m0 // n_tasks
+        lo, hi = _span(q0, m0, t, n_tasks)
         _product_rows(q0, wmeta, i0, a0, o0, lo, hi)
-        _product_rows(q1, wmeta, i1, a1, o1, t * m1 // n_tasks, (t + 1) * m1 // n_tasks)
-        _product_rows(q2, wmeta, i2, a2, o2, t * m2 // n_tasks, (t + 1) * m2 // n_tasks)
+        lo1, hi1 = _span(q1, m1, t, n_tasks)
+        _product_rows(q1, wmeta, i1, a1, o1, lo1, hi1)
+        lo2, hi2 = _span(q2, m2, t, n_tasks)
+        _product_rows(q2, wmeta, i2, a2, o2, lo2, hi2)
         if act == 0:  # m1 == m0: this task's up rows are its gate rows
             ggml_math._silu_mul_cols(o0, o1, out, lo, hi)
         elif act == 1:
@@ -947,15 +971,16 @@ class _Program:
         self.code = np.ascontiguousarray(both[:n])
         self.embd_offset = int(both[n, 1])
         self.outs = [_Sym(int(both[n + 1 + i, 1]), o.shape) for i, o in enumerate(outs)]
-        # (address, rows, row bytes, type) of each weight; the arrays are kept alive here
-        self.weights = [np.ascontiguousarray(w.data) for w in tracer.weights]
-        self.wmeta = np.array(
-            [
-                (a.ctypes.data, a.shape[0], a.shape[1], int(w.type))
-                for a, w in zip(self.weights, tracer.weights, strict=True)
-            ],
-            np.int64,
-        ).reshape(-1, 4)
+        # (address, rows, row bytes, type) of each weight, in the x8 layout where the
+        # backend multiplies it so (its type + _X8); the arrays are kept alive here
+        self.weights, meta = [], []
+        for w in tracer.weights:
+            x8 = tracer.backend.x8_rows(w)
+            a = np.ascontiguousarray(w.data if x8 is None else x8)
+            self.weights.append(a)
+            code = int(w.type) + (0 if x8 is None else _X8)
+            meta.append((a.ctypes.data, a.shape[0], a.shape[1], code))
+        self.wmeta = np.array(meta, np.int64).reshape(-1, 4)
         self.consts = (
             np.concatenate(tracer.consts) if tracer.consts else np.zeros(0, np.float32)
         ).astype(np.float32)

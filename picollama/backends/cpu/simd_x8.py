@@ -1,0 +1,431 @@
+"""Q4_0 and Q4_1 weights eight rows at a time: llama.cpp's CPU "repack" idea.
+
+A quantized weight row dotted with an activation row costs, per block of 32 and on AVX2,
+an unpack, a ``pmaddubsw``, a ``pmaddwd``, an int-to-float conversion and an FMA (the
+``simd`` kernels, ggml's ``vec_dot``): four vector operations for 32 products, and the
+products of one block end in 8 float lanes that are summed only at the end of the row.
+With the quants of 8 rows interleaved four bytes at a time, one 32-byte register holds four
+consecutive quants of each of 8 rows, and an activation's four matching bytes broadcast to
+all lanes multiply them all at once. The block's 8 ``pmaddubsw`` of 8 rows by one
+activation row are summed in 16 bits (no overflow: each of their lanes is at most
+2 * 15 * 128 = 3840 in magnitude, 8 of them 30720 < 32767), then one ``pmaddwd`` by ones
+gives each row's exact block sum in its own 32-bit lane: one conversion and one FMA now
+serve 8 rows, and the weights' unpacking serves every activation row of a batch. This is
+the layout llama.cpp's CPU backend repacks Q4_0 into at load (``block_q4_0x8``), here with
+4-byte chunks so that lane r of every result is row r.
+
+Layout (``repack``, same bytes as the file's rows, rows permuted in groups of 8): group g
+holds rows 8g..8g+7, its block b at byte ``b * 8 * size`` of the group (``size`` the
+type's block bytes): the 8 rows' scales ``d`` (f16), for Q4_1 their mins ``m`` (f16), then
+four chunks of 32 bytes, chunk c holding bytes 4c..4c+3 of each row's 16 quant bytes, row
+by row (low nibbles: weights 4c..4c+3; high nibbles: weights 16 + 4c..16 + 4c + 3).
+
+Arithmetic, for output (row j, activation row i), block by block in one float32 lane:
+``acc = fma(dw_j * dy_i, float(isum), acc)`` then, for Q4_1, ``acc = fma(mw_j, sy_i, acc)``
+(``sy`` the Q8_1 block sum as ggml rounds it), or for Q4_0, whose quants are taken unsigned
+(0..15), ``isum`` is the exact ``sum(u * y) - 8 * sum(y)`` (the offset comes with the
+activations). Integer parts are exact as in ggml; the float order differs from ggml's
+``vec_dot`` (one FMA per block instead of eight lanes summed at the end), so a result
+differs from llama.cpp's Q4_1 path by float32 rounding only, as llama.cpp's own repacked
+Q4_0 differs from its plain one. Each output's operations are the same whatever the number
+of activation rows and however a batch is split, so a row's result is the same bits alone
+or in any batch (what the server's slots rely on).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from picollama.backends.cpu.qdot_act import q8_block, round_f16
+from picollama.backends.cpu.simd import (
+    F16,
+    F32,
+    I8,
+    I16,
+    I32,
+    I64,
+    PREFETCH_AHEAD,
+    _array_parts,
+    _mask,
+    _Ops,
+    _splat,
+    _vec,
+    inline_function,
+    prefetch,
+)
+from picollama.gguf.constants import GGMLType
+
+__all__ = [
+    "X8_TYPES",
+    "X8_ROWS",
+    "repack",
+    "x8_quantize",
+    "x8_rows",
+    "x8_span",
+    "vec_dot_x8",
+    "matmul_x8",
+]
+
+X8_TYPES: frozenset[GGMLType] = frozenset((GGMLType.Q4_0, GGMLType.Q4_1))
+X8_ROWS = 8  # weight rows of a group
+
+# bytes of one block of one row, and where the quants start in it
+_SIZE = {GGMLType.Q4_0: 18, GGMLType.Q4_1: 20}
+_QS = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4}
+
+# activation rows one pass over a group's blocks takes at most: 8 (their accumulators and the
+# group's 8 unpacked quant registers do not all fit in AVX2's 16, yet) measured 152 / 145
+# GMAC/s against 4's 126 / 139 and 2's 133 / 124 (8 rows by 1536 x 576 / 576 x 1536, 2 threads)
+GROUP_ROWS = 8
+
+
+# ---- the layout ----
+
+
+@njit(cache=True, parallel=True)
+def _repack(rows, out, size, qs_at):
+    m, row_bytes = rows.shape
+    nb = row_bytes // size
+    n_groups = m // 8
+    group_bytes = 8 * row_bytes
+    flat = out.reshape(-1)
+    for g in prange(n_groups):
+        base = g * group_bytes
+        for b in range(nb):
+            at = base + b * 8 * size
+            for r in range(8):
+                src = rows[8 * g + r]
+                s0 = b * size
+                # d (and m): 2 bytes each, row by row
+                flat[at + 2 * r] = src[s0]
+                flat[at + 2 * r + 1] = src[s0 + 1]
+                if qs_at == 4:
+                    flat[at + 16 + 2 * r] = src[s0 + 2]
+                    flat[at + 16 + 2 * r + 1] = src[s0 + 3]
+                q0 = at + 8 * qs_at
+                for c in range(4):
+                    for j in range(4):
+                        flat[q0 + 32 * c + 4 * r + j] = src[s0 + qs_at + 4 * c + j]
+
+
+def repack(rows: np.ndarray, qtype) -> np.ndarray:
+    """The x8 layout (module docstring) of Q4_0 or Q4_1 rows uint8 (m, row_bytes), m a
+    multiple of 8: a new array of the same shape."""
+    qtype = GGMLType(qtype)
+    if qtype not in X8_TYPES:
+        raise ValueError(f"no x8 layout for {qtype.name}")
+    m, row_bytes = rows.shape
+    if m % X8_ROWS or row_bytes % _SIZE[qtype]:
+        raise ValueError(f"x8 needs rows in groups of 8 and whole blocks; got {rows.shape}")
+    out = np.empty((m, row_bytes), np.uint8)
+    _repack(np.ascontiguousarray(rows), out, _SIZE[qtype], _QS[qtype])
+    return out
+
+
+# ---- activations ----
+
+
+@njit(cache=True, nogil=True)
+def _quantize_blocks(x, xqp, xdp, xsp, offset, lo, hi):
+    """Blocks lo..hi of every row of x as ggml's Q8_0 / Q8_1, block-major as
+    ``qdot_act.quantize_packed`` writes them; ``xsp[b, u]`` is the Q8_1 sum (``offset``
+    false, for Q4_1) or -8 times the sum of the block's quants (for Q4_0), exact."""
+    n = x.shape[0]
+    for b in range(lo, hi):
+        qrow = xqp[b]
+        for u in range(n):
+            db, sd = q8_block(x, u, b * 32, qrow, 32 * u)
+            xdp[b, u] = round_f16(db)
+            if offset:
+                s = 0
+                for e in range(32 * u, 32 * u + 32):
+                    s += np.int32(qrow[e])
+                xsp[b, u] = np.float32(-8 * s)
+            else:
+                xsp[b, u] = round_f16(sd)
+
+
+# a batch's blocks are quantized by all threads from this many on (as ``qdot``)
+_PARALLEL_BLOCKS = 256
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def x8_quantize(x, offset):
+    """x (n, k) float32, C-contiguous, as the x8 dots read it: ``(xq, xd, xs)`` int8
+    (nb, 32 n), float32 (nb, n), float32 (nb, n) (``_quantize_blocks``)."""
+    n, k = x.shape
+    nb = k // 32
+    xq = np.empty((nb, n * 32), np.int8)
+    xd = np.empty((nb, n), np.float32)
+    xs = np.empty((nb, n), np.float32)
+    if n * nb >= _PARALLEL_BLOCKS:
+        for b in prange(nb):
+            _quantize_blocks(x, xq, xd, xs, offset, b, b + 1)
+    else:
+        _quantize_blocks(x, xq, xd, xs, offset, 0, nb)
+    return xq, xd, xs
+
+
+# ---- the dot ----
+
+
+def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
+    """``f(w, nb, xq, sq, xd, sd, xs, out, so)``: the 8 rows of the group at ``w`` dotted
+    with ``n_rows`` activation rows; activation row r's block b at ``xq + b * sq + 32 r``,
+    its scale and sum (or offset) at ``xd + b * sd + 4 r`` and ``xs + b * sd + 4 r``; the
+    8 results of row r stored at ``out + r * so``."""
+    name = f"picollama_vec_dot_x8_{qtype.name.lower()}_{n_rows}"
+    p8 = I8.as_pointer()
+    fn, new = inline_function(module, name, [p8, I64, p8, I64, p8, I64, p8, p8, I64])
+    if not new:
+        return fn
+    w, nb, xq, sq, xd, sd, xs, out, so = fn.args
+    entry = fn.append_basic_block("entry")
+    loop = fn.append_basic_block("loop")
+    done = fn.append_basic_block("done")
+    b = ir.IRBuilder(entry)
+    o = _Ops(b)
+    size = 8 * _SIZE[qtype]
+    qs = 8 * _QS[qtype]
+    v8f = _vec(F32, 8)
+    zeros = ir.Constant(v8f, [ir.Constant(F32, 0.0)] * 8)
+    ones16 = _splat(I16, 16, 1)
+    low = _splat(I8, 32, 0x0F)
+
+    def c64(v):
+        return ir.Constant(I64, v)
+
+    def splat_f32(ptr, offset):
+        v = b.load(b.bitcast(b.gep(ptr, [offset]), F32.as_pointer()), align=4)
+        return o.splat8(v)
+
+    def splat_i32(ptr, offset):
+        v = o.load(ptr, offset, I32)
+        v8 = b.insert_element(ir.Constant(_vec(I32, 8), None), v, ir.Constant(I32, 0))
+        return b.bitcast(b.shuffle_vector(v8, v8, _mask([0] * 8)), _vec(I8, 32))
+
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(I64)
+    accs = [b.phi(v8f) for _ in range(n_rows)]
+    base = b.mul(i, c64(size))
+    prefetch(b, w, b.add(base, c64(PREFETCH_AHEAD)), size)
+    dw = b.fpext(o.load(w, base, _vec(F16, 8)), v8f)
+    mw = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f) if qs == 32 else None
+    nib = []
+    for c in range(4):
+        v = o.load(w, b.add(base, c64(qs + 32 * c)), _vec(I8, 32))
+        lo = b.and_(v, low)
+        shifted = b.lshr(b.bitcast(v, _vec(I16, 16)), _splat(I16, 16, 4))
+        hi = b.and_(b.bitcast(shifted, _vec(I8, 32)), low)
+        nib.append((lo, hi))
+    q0 = b.mul(i, sq)
+    d0 = b.mul(i, sd)
+    new = []
+    for r in range(n_rows):
+        at = b.add(q0, c64(32 * r))
+        parts = []
+        for c, (lo, hi) in enumerate(nib):
+            parts.append(o.maddubs(lo, splat_i32(xq, b.add(at, c64(4 * c)))))
+            parts.append(o.maddubs(hi, splat_i32(xq, b.add(at, c64(16 + 4 * c)))))
+        while len(parts) > 1:
+            parts = [b.add(parts[j], parts[j + 1]) for j in range(0, len(parts), 2)]
+        isum = b.sitofp(o.maddwd(parts[0], ones16), v8f)
+        dat = b.add(d0, c64(4 * r))
+        if mw is None:
+            isum = b.fadd(isum, splat_f32(xs, dat))
+        acc = o.fma8(b.fmul(dw, splat_f32(xd, dat)), isum, accs[r])
+        if mw is not None:
+            acc = o.fma8(mw, splat_f32(xs, dat), acc)
+        new.append(acc)
+    i1 = b.add(i, c64(1))
+    i.add_incoming(c64(0), entry)
+    i.add_incoming(i1, loop)
+    for phi, acc in zip(accs, new, strict=True):
+        phi.add_incoming(zeros, entry)
+        phi.add_incoming(acc, loop)
+    b.cbranch(b.icmp_unsigned("<", i1, nb), loop, done)
+    b.position_at_end(done)
+    for r, acc in enumerate(new):
+        dst = b.gep(out, [b.mul(c64(r), so)])
+        b.store(acc, b.bitcast(dst, v8f.as_pointer()), align=4)
+    b.ret_void()
+    return fn
+
+
+@intrinsic
+def vec_dot_x8(typingctx, qtype, n_rows, w, g, xq, xd, xs, t, out, i):
+    """``vec_dot_x8(qtype, n_rows, w, g, xq, xd, xs, t, out, i)``: for k in 0..n_rows-1
+    and j in 0..7, ``out[i + k, 8 g + j]`` = the dot of row 8g + j of the x8 weights ``w``
+    (uint8 (m, row_bytes)) with row ``t + k`` of the activations ``x8_quantize`` gave.
+    ``qtype`` and ``n_rows`` are literals."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (qtype, n_rows)):
+        return None
+    qt = GGMLType(qtype.literal_value)
+    if qt not in X8_TYPES:
+        return None
+    count = n_rows.literal_value
+    sig = types.void(qtype, n_rows, w, g, xq, xd, xs, t, out, i)
+
+    def codegen(context, builder, signature, args):
+        _, _, w_t, g_t, xq_t, xd_t, xs_t, t_t, out_t, i_t = signature.args
+        _, _, w_v, g_v, xq_v, xd_v, xs_v, t_v, out_v, i_v = args
+        fn = _define_x8(builder.module, qt, count)
+        intp = context.get_value_type(types.intp)
+        g_ = context.cast(builder, g_v, g_t, types.intp)
+        t_ = context.cast(builder, t_v, t_t, types.intp)
+        i_ = context.cast(builder, i_v, i_t, types.intp)
+        wd, ws, row_bytes = _array_parts(context, builder, w_t, w_v)
+        qd, qs, _ = _array_parts(context, builder, xq_t, xq_v)
+        dd, ds, _ = _array_parts(context, builder, xd_t, xd_v)
+        sd_, _, _ = _array_parts(context, builder, xs_t, xs_v)
+        od, os_, _ = _array_parts(context, builder, out_t, out_v)
+        c = ir.Constant
+        nb = builder.udiv(row_bytes, c(intp, _SIZE[qt]))
+        t4 = builder.mul(t_, c(intp, 4))
+        out_at = builder.add(builder.mul(i_, os_), builder.mul(g_, c(intp, 32)))
+        builder.call(
+            fn,
+            [
+                builder.gep(wd, [builder.mul(g_, builder.mul(ws, c(intp, 8)))]),
+                nb,
+                builder.gep(qd, [builder.mul(t_, c(intp, 32))]),
+                qs,
+                builder.gep(dd, [t4]),
+                ds,
+                builder.gep(sd_, [t4]),
+                builder.gep(od, [out_at]),
+                os_,
+            ],
+        )
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# ---- rows of a product ----
+
+TILE_ROWS = 64  # activation rows a group is dotted with before the next group
+
+
+def _dot_few(qtype, count, w, g, xq, xd, xs, t, out):
+    """``vec_dot_x8`` of ``count`` rows, 1..GROUP_ROWS - 1 known at run time only
+    (compiled code only, ``qtype`` a literal)."""
+    raise NotImplementedError("_dot_few is only callable from Numba-compiled code")
+
+
+@overload(_dot_few, inline="always")
+def _dot_few_overload(qtype, count, w, g, xq, xd, xs, t, out):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    q = qtype.literal_value
+    assert GROUP_ROWS == 8
+
+    def impl(qtype, count, w, g, xq, xd, xs, t, out):
+        if count == 1:
+            vec_dot_x8(q, 1, w, g, xq, xd, xs, t, out, t)
+        elif count == 2:
+            vec_dot_x8(q, 2, w, g, xq, xd, xs, t, out, t)
+        elif count == 3:
+            vec_dot_x8(q, 3, w, g, xq, xd, xs, t, out, t)
+        elif count == 4:
+            vec_dot_x8(q, 4, w, g, xq, xd, xs, t, out, t)
+        elif count == 5:
+            vec_dot_x8(q, 5, w, g, xq, xd, xs, t, out, t)
+        elif count == 6:
+            vec_dot_x8(q, 6, w, g, xq, xd, xs, t, out, t)
+        elif count == 7:
+            vec_dot_x8(q, 7, w, g, xq, xd, xs, t, out, t)
+
+    return impl
+
+
+def x8_rows(qtype, w, xq, xd, xs, out, g_lo, g_hi):
+    """Columns ``8 g_lo .. 8 g_hi`` of ``out`` (n, m): x8 weights ``w`` by the activations
+    ``x8_quantize`` gave, each group dotted with a tile of activation rows GROUP_ROWS at a
+    time (compiled code only, ``qtype`` a literal)."""
+    raise NotImplementedError("x8_rows is only callable from Numba-compiled code")
+
+
+@overload(x8_rows, inline="always")
+def _x8_rows_overload(qtype, w, xq, xd, xs, out, g_lo, g_hi):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    q = qtype.literal_value
+
+    def impl(qtype, w, xq, xd, xs, out, g_lo, g_hi):
+        n = out.shape[0]
+        for i0 in range(0, n, TILE_ROWS):
+            i1 = min(n, i0 + TILE_ROWS)
+            for g in range(g_lo, g_hi):
+                t = i0
+                while t + GROUP_ROWS <= i1:
+                    vec_dot_x8(q, GROUP_ROWS, w, g, xq, xd, xs, t, out, t)
+                    t += GROUP_ROWS
+                if t < i1:
+                    _dot_few(q, i1 - t, w, g, xq, xd, xs, t, out)
+
+    return impl
+
+
+@njit(inline="always")
+def x8_span(m, t, n_tasks):
+    """Task ``t``'s share of the ``m // 8`` groups of a product: ``(g_lo, g_hi)``."""
+    g = m // X8_ROWS
+    return t * g // n_tasks, (t + 1) * g // n_tasks
+
+
+# ---- whole products (the op-by-op path; the compiled step calls the parts above) ----
+
+
+@functools.cache
+def _kernel3(qtype: int):
+    """Up to three products of one x by x8 weights of one type in one parallel region (an
+    absent weight has 0 rows); captures only the type id, so it is disk-cached."""
+    qtype = int(qtype)
+    offset = GGMLType(qtype) == GGMLType.Q4_0
+
+    @njit(cache=True, parallel=True, nogil=True)
+    def kernel(x, w0, w1, w2, o0, o1, o2, n_tasks):
+        xq, xd, xs = x8_quantize(x, offset)
+        m0, m1, m2 = w0.shape[0], w1.shape[0], w2.shape[0]
+        for t in prange(n_tasks):
+            lo, hi = x8_span(m0, t, n_tasks)
+            x8_rows(qtype, w0, xq, xd, xs, o0, lo, hi)
+            lo, hi = x8_span(m1, t, n_tasks)
+            x8_rows(qtype, w1, xq, xd, xs, o1, lo, hi)
+            lo, hi = x8_span(m2, t, n_tasks)
+            x8_rows(qtype, w2, xq, xd, xs, o2, lo, hi)
+
+    return kernel
+
+
+def matmul_x8(x: np.ndarray, ws: list[np.ndarray], qtype, k: int) -> list[np.ndarray]:
+    """``x @ W.T`` for each of one to three x8 weights ``ws`` (``repack``'s arrays, of one
+    type and width ``k``) in one parallel pass that quantizes x once: float32 (n, m) each."""
+    qtype = GGMLType(qtype)
+    if qtype not in X8_TYPES or not 1 <= len(ws) <= 3:
+        raise ValueError(f"matmul_x8 takes 1 to 3 Q4_0 / Q4_1 weights, not {len(ws)} {qtype.name}")
+    row_bytes = k // 32 * _SIZE[qtype]
+    for w in ws:
+        if w.dtype != np.uint8 or w.ndim != 2 or w.shape[1] != row_bytes or w.shape[0] % 8:
+            raise ValueError(f"x8 {qtype.name} weights with k={k}: uint8 (8 g, {row_bytes})")
+    x = np.ascontiguousarray(x, np.float32)
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be (n, {k}); got {x.shape}")
+    n = x.shape[0]
+    outs = [np.empty((n, w.shape[0]), np.float32) for w in ws]
+    if n == 0:
+        return outs
+    w3 = list(ws) + [ws[0][:0]] * (3 - len(ws))
+    o3 = outs + [np.empty((n, 0), np.float32)] * (3 - len(ws))
+    groups = sum(w.shape[0] for w in ws) // X8_ROWS
+    n_tasks = max(1, min(groups, 4 * numba.get_num_threads()))
+    _kernel3(int(qtype))(x, *w3, *o3, n_tasks)
+    return outs
