@@ -38,6 +38,30 @@ def test_cli_completion_greedy(smollm2_path):
     assert "tokens per second" in r.stderr  # timings go to stderr
 
 
+def test_cli_no_repack_flag(smollm2_path):
+    """-nr / --no-repack (llama.cpp's flag): the CPU backend keeps the file's layout, and
+    with another backend the flag is refused in one line."""
+    r = _cli("-m", SMOLLM2, "-nr", "-p", "The capital of France is", "-n", "4", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of France is Paris")
+    r = _cli("-m", SMOLLM2, "--no-repack", "--backend", "opencl", "-p", "hi", "-n", "1")
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--no-repack is a cpu backend flag" in lines[0], r.stderr
+
+
+def test_cli_no_repack_makes_a_plain_cpu_backend():
+    import argparse
+
+    from picollama.tools.cli import add_model_args, backend_choice
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert backend_choice(p.parse_args([])) == "cpu"
+    be = backend_choice(p.parse_args(["-nr", "-t", "2"]))
+    assert be.name == "cpu" and be.repack is False and be.n_threads == 2
+
+
 def test_cli_prompt_longer_than_context(smollm2_path):
     r = _cli("-m", SMOLLM2, "-c", "16", "-p", "word " * 40, "-n", "4")
     assert r.returncode == 1

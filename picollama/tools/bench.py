@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+from picollama.tools.cli import add_repack_arg, backend_choice
+
 __all__ = ["main", "measure_bandwidth"]
 
 
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-b", "--batch-size", type=int, default=512)
     p.add_argument("--backend", default="cpu")
+    add_repack_arg(p)
     p.add_argument(
         "--vs-llama-cpp",
         metavar="BIN_DIR",
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             n_ctx=n_ctx,
             n_batch=args.batch_size,
             n_threads=args.threads,
-            backend=args.backend,
+            backend=backend_choice(args),
         )
     except USER_ERRORS as err:
         print(f"picollama-bench: error: {err}", file=sys.stderr)

@@ -137,7 +137,30 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt batch size")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     p.add_argument("--backend", default="cpu", help="cpu, cuda or opencl")
+    add_repack_arg(p)
     add_lora_args(p)
+
+
+def add_repack_arg(p: argparse.ArgumentParser) -> None:
+    """-nr / --no-repack, as llama.cpp's."""
+    p.add_argument(
+        "-nr",
+        "--no-repack",
+        action="store_true",
+        help="cpu: multiply Q4_0/Q4_1 matrices in the file's layout (ggml's vec_dot, bit for "
+        "bit) instead of repacking them 8 rows at a time (faster; float32 rounding apart)",
+    )
+
+
+def backend_choice(args):
+    """``args.backend``, or for --no-repack a CPU backend made without repacking."""
+    if not getattr(args, "no_repack", False):
+        return args.backend
+    from picollama.backends.base import BackendError, get_backend
+
+    if args.backend != "cpu":
+        raise BackendError(f"--no-repack is a cpu backend flag, not {args.backend}'s")
+    return get_backend("cpu", n_threads=args.threads, repack=False)
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -473,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             n_ctx=args.ctx_size,
             n_batch=args.batch_size,
             n_threads=args.threads,
-            backend=args.backend,
+            backend=backend_choice(args),
             device=args.device,
             seed=args.seed,
             chat_template=args.chat_template,

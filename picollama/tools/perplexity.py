@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from picollama.tools.cli import add_model_args
+from picollama.tools.cli import add_model_args, backend_choice
 
 __all__ = ["main", "PerplexityResult", "perplexity"]
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             n_ctx=n_ctx,
             n_batch=args.batch_size,
             n_threads=args.threads,
-            backend=args.backend,
+            backend=backend_choice(args),
         )
         adapters = lora_specs(args)
         if adapters:

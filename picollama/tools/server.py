@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 
-from picollama.tools.cli import add_lora_args, lora_specs
+from picollama.tools.cli import add_lora_args, add_repack_arg, backend_choice, lora_specs
 
 __all__ = ["main", "build_parser"]
 
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt chunk per step")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     p.add_argument("--backend", default="cpu", help="cpu, cuda or opencl")
+    add_repack_arg(p)
     p.add_argument(
         "--queue-size",
         type=int,
@@ -96,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     key = key or os.environ.get("LLAMA_API_KEY") or None
     try:
         engine = Engine(
-            args.model, n_batch=args.batch_size, n_threads=args.threads, backend=args.backend
+            args.model,
+            n_batch=args.batch_size,
+            n_threads=args.threads,
+            backend=backend_choice(args),
         )
         if hasattr(engine.backend, "compile_in_background"):
             # requests are served op by op while the CPU's step program compiles
