@@ -389,7 +389,7 @@ def test_the_step_and_its_kernels_stay_cacheable(tmp_path):
     # (the functions Python calls: each one's code links in everything it calls, so one
     # uncacheable callee makes it uncacheable too; loaded from the cache, it was cacheable)
     dispatchers = [step._run] + [qdot._simd_kernel(int(t)) for t in (Q4_0, Q4_1, Q8_0)]
-    dispatchers += [simd_x8._kernel3(int(t)) for t in (Q4_0, Q4_1)]
+    dispatchers += [simd_x8._kernel3(int(t)) for t in (Q4_0, Q4_1, Q8_0)]
     for d in dispatchers:
         assert d.overloads, d
         for sig, compiled in d.overloads.items():

@@ -1,4 +1,4 @@
-"""simd_x8: Q4_0 / Q4_1 weights interleaved eight rows at a time.
+"""simd_x8: Q4_0, Q4_1 and Q8_0 weights interleaved eight rows at a time.
 
 The x8 dots sum the same exact integer block products as ggml's ``vec_dot`` and differ
 from it in the float32 order only (one FMA a block into each row's lane, where ggml keeps 8
@@ -19,7 +19,7 @@ from picollama.backends.cpu.backend import CPUBackend
 from picollama.gguf.constants import GGML_TYPES, GGMLType
 from picollama.quant import dequantize
 
-X8 = [GGMLType.Q4_0, GGMLType.Q4_1]
+X8 = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
 
 
 def random_rows(qtype: GGMLType, m: int, k: int, seed: int) -> np.ndarray:
@@ -40,6 +40,7 @@ def numpy_repack(rows: np.ndarray, qtype: GGMLType) -> np.ndarray:
     """The documented layout, written out plainly."""
     size = GGML_TYPES[qtype].type_size
     qs = 4 if qtype == GGMLType.Q4_1 else 2
+    chunks = (size - qs) // 4
     m, row_bytes = rows.shape
     blocks = rows.reshape(m // 8, 8, row_bytes // size, size)
     out = []
@@ -49,7 +50,7 @@ def numpy_repack(rows: np.ndarray, qtype: GGMLType) -> np.ndarray:
             out.append(blk[:, 0:2].reshape(-1))
             if qs == 4:
                 out.append(blk[:, 2:4].reshape(-1))
-            for c in range(4):
+            for c in range(chunks):
                 out.append(blk[:, qs + 4 * c : qs + 4 * c + 4].reshape(-1))
     return np.concatenate(out).reshape(m, row_bytes)
 
@@ -65,7 +66,7 @@ def test_repack_writes_the_documented_layout(qtype):
     with pytest.raises(ValueError, match="groups of 8"):
         simd_x8.repack(rows[:12], qtype)
     with pytest.raises(ValueError, match="no x8 layout"):
-        simd_x8.repack(rows, GGMLType.Q8_0)
+        simd_x8.repack(rows, GGMLType.Q4_K)
 
 
 def tolerance_b(w, x, qtype):
@@ -107,12 +108,13 @@ def test_x8_products_near_the_exact_product(qtype):
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
 def test_extreme_blocks_do_not_overflow_the_16_bit_sums(qtype):
-    """Every quant 15 against activations at +-127: each 16-bit lane of the 8 summed
-    pmaddubsw reaches 8 * 2 * 15 * 127 = 30480, just below 2**15; a sum over more products
-    (or a saturating one) would show here as a wrong block sum."""
+    """Every quant at its largest (15; Q8_0: -128, which a file may hold) against
+    activations at +-127: each 16-bit lane of the 8 summed pmaddubsw reaches 8 * 2 * 15 *
+    127 = 30480, just below 2**15 (Q8_0's one pmaddubsw 2 * 128 * 127 = 32512); a sum over
+    more products (or a saturating one) would show here as a wrong block sum."""
     k, m = 256, 16
     size = GGML_TYPES[qtype].type_size
-    rows = np.full((m, k // 32, size), 0xFF, np.uint8)
+    rows = np.full((m, k // 32, size), 0x80 if qtype == GGMLType.Q8_0 else 0xFF, np.uint8)
     rows[:, :, 0:2] = np.array([1.0], np.float16).view(np.uint8)
     if qtype == GGMLType.Q4_1:
         rows[:, :, 2:4] = np.array([0.0], np.float16).view(np.uint8)
@@ -125,7 +127,8 @@ def test_extreme_blocks_do_not_overflow_the_16_bit_sums(qtype):
     # x is +-1 exactly: quantized to +-127 with d = 1/127 (fp16-rounded), so the only error
     # is that scale's rounding, relative 2**-11
     assert np.allclose(got, exact, rtol=2.0**-10, atol=0)
-    assert abs(got[1, 0]) == pytest.approx(k * 15 if qtype == GGMLType.Q4_1 else k * 7, 2e-3)
+    largest = {GGMLType.Q4_0: 7, GGMLType.Q4_1: 15, GGMLType.Q8_0: 128}[qtype]
+    assert abs(got[1, 0]) == pytest.approx(k * largest, 2e-3)
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)

@@ -1,4 +1,4 @@
-"""Q4_0 and Q4_1 weights eight rows at a time: llama.cpp's CPU "repack" idea.
+"""Q4_0, Q4_1 and Q8_0 weights eight rows at a time: llama.cpp's CPU "repack" idea.
 
 A quantized weight row dotted with an activation row costs, per block of 32 and on AVX2,
 an unpack, a ``pmaddubsw``, a ``pmaddwd``, an int-to-float conversion and an FMA (the
@@ -12,24 +12,29 @@ activation row are summed in 16 bits (no overflow: each of their lanes is at mos
 gives each row's exact block sum in its own 32-bit lane: one conversion and one FMA now
 serve 8 rows, and the weights' unpacking serves every activation row of a batch. This is
 the layout llama.cpp's CPU backend repacks Q4_0 into at load (``block_q4_0x8``), here with
-4-byte chunks so that lane r of every result is row r.
+4-byte chunks so that lane r of every result is row r. Q8_0's signed bytes go through
+ggml's sign trick (``|w|`` by ``y`` with ``w``'s sign), and as a pair of its products
+reaches 2 * 128 * 127 each ``pmaddubsw`` is widened alone: the gain is the conversion and
+FMA shared by 8 rows (SmolLM2's 49152 x 576 output matrix, 2 threads: 1 row 678 -> 392
+us, 8 rows 3376 -> 2696 us; from DRAM one row is bound by memory either way).
 
 Layout (``repack``, same bytes as the file's rows, rows permuted in groups of 8): group g
 holds rows 8g..8g+7, its block b at byte ``b * 8 * size`` of the group (``size`` the
 type's block bytes): the 8 rows' scales ``d`` (f16), for Q4_1 their mins ``m`` (f16), then
-four chunks of 32 bytes, chunk c holding bytes 4c..4c+3 of each row's 16 quant bytes, row
-by row (low nibbles: weights 4c..4c+3; high nibbles: weights 16 + 4c..16 + 4c + 3).
+chunks of 32 bytes, chunk c holding bytes 4c..4c+3 of each row's quant bytes, row by row
+(Q4: four chunks of the 16 bytes, low nibbles weights 4c..4c+3, high nibbles weights
+16 + 4c..16 + 4c + 3; Q8_0: eight chunks of the 32, weights 4c..4c+3).
 
 Arithmetic, for output (row j, activation row i), block by block in one float32 lane:
 ``acc = fma(dw_j * dy_i, float(isum), acc)`` then, for Q4_1, ``acc = fma(mw_j, sy_i, acc)``
 (``sy`` the Q8_1 block sum as ggml rounds it), or for Q4_0, whose quants are taken unsigned
 (0..15), ``isum`` is the exact ``sum(u * y) - 8 * sum(y)`` (the offset comes with the
-activations). Integer parts are exact as in ggml; the float order differs from ggml's
-``vec_dot`` (one FMA per block instead of eight lanes summed at the end), so a result
-differs from llama.cpp's Q4_1 path by float32 rounding only, as llama.cpp's own repacked
-Q4_0 differs from its plain one. Each output's operations are the same whatever the number
-of activation rows and however a batch is split, so a row's result is the same bits alone
-or in any batch (what the server's slots rely on).
+activations); Q8_0 has the FMA alone. Integer parts are exact as in ggml; the float order
+differs from ggml's ``vec_dot`` (one FMA per block instead of eight lanes summed at the
+end), so a result differs from llama.cpp's plain path by float32 rounding only, as
+llama.cpp's own repacked Q4_0 differs from its plain one. Each output's operations are
+the same whatever the number of activation rows and however a batch is split, so a row's
+result is the same bits alone or in any batch (what the server's slots rely on).
 """
 
 from __future__ import annotations
@@ -72,12 +77,15 @@ __all__ = [
     "matmul_x8",
 ]
 
-X8_TYPES: frozenset[GGMLType] = frozenset((GGMLType.Q4_0, GGMLType.Q4_1))
+X8_TYPES: frozenset[GGMLType] = frozenset((GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0))
 X8_ROWS = 8  # weight rows of a group
 
 # bytes of one block of one row, and where the quants start in it
-_SIZE = {GGMLType.Q4_0: 18, GGMLType.Q4_1: 20}
-_QS = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4}
+_SIZE = {GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q8_0: 34}
+_QS = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q8_0: 2}
+# what ``x8_quantize`` writes beside a block's quants and scale, per weight type
+SUMS, OFFSETS, NOTHING = 0, 1, 2
+ACTIVATION = {GGMLType.Q4_1: SUMS, GGMLType.Q4_0: OFFSETS, GGMLType.Q8_0: NOTHING}
 
 # activation rows one pass over a group's blocks takes at most: 8 (their accumulators and the
 # group's 8 unpacked quant registers do not all fit in AVX2's 16, yet) measured 152 / 145
@@ -109,14 +117,14 @@ def _repack(rows, out, size, qs_at):
                     flat[at + 16 + 2 * r] = src[s0 + 2]
                     flat[at + 16 + 2 * r + 1] = src[s0 + 3]
                 q0 = at + 8 * qs_at
-                for c in range(4):
+                for c in range((size - qs_at) // 4):
                     for j in range(4):
                         flat[q0 + 32 * c + 4 * r + j] = src[s0 + qs_at + 4 * c + j]
 
 
 def repack(rows: np.ndarray, qtype) -> np.ndarray:
-    """The x8 layout (module docstring) of Q4_0 or Q4_1 rows uint8 (m, row_bytes), m a
-    multiple of 8: a new array of the same shape."""
+    """The x8 layout (module docstring) of Q4_0, Q4_1 or Q8_0 rows uint8 (m, row_bytes), m
+    a multiple of 8: a new array of the same shape."""
     qtype = GGMLType(qtype)
     if qtype not in X8_TYPES:
         raise ValueError(f"no x8 layout for {qtype.name}")
@@ -132,22 +140,23 @@ def repack(rows: np.ndarray, qtype) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _quantize_blocks(x, xqp, xdp, xsp, offset, lo, hi):
+def _quantize_blocks(x, xqp, xdp, xsp, kind, lo, hi):
     """Blocks lo..hi of every row of x as ggml's Q8_0 / Q8_1, block-major as
-    ``qdot_act.quantize_packed`` writes them; ``xsp[b, u]`` is the Q8_1 sum (``offset``
-    false, for Q4_1) or -8 times the sum of the block's quants (for Q4_0), exact."""
+    ``qdot_act.quantize_packed`` writes them; ``xsp[b, u]`` is, by ``kind``, the Q8_1 sum
+    (SUMS, for Q4_1), -8 times the sum of the block's quants (OFFSETS, for Q4_0: exact),
+    or not there (NOTHING, for Q8_0)."""
     n = x.shape[0]
     for b in range(lo, hi):
         qrow = xqp[b]
         for u in range(n):
             db, sd = q8_block(x, u, b * 32, qrow, 32 * u)
             xdp[b, u] = round_f16(db)
-            if offset:
+            if kind == OFFSETS:
                 s = 0
                 for e in range(32 * u, 32 * u + 32):
                     s += np.int32(qrow[e])
                 xsp[b, u] = np.float32(-8 * s)
-            else:
+            elif kind == SUMS:
                 xsp[b, u] = round_f16(sd)
 
 
@@ -156,19 +165,19 @@ _PARALLEL_BLOCKS = 256
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def x8_quantize(x, offset):
+def x8_quantize(x, kind):
     """x (n, k) float32, C-contiguous, as the x8 dots read it: ``(xq, xd, xs)`` int8
     (nb, 32 n), float32 (nb, n), float32 (nb, n) (``_quantize_blocks``)."""
     n, k = x.shape
     nb = k // 32
     xq = np.empty((nb, n * 32), np.int8)
     xd = np.empty((nb, n), np.float32)
-    xs = np.empty((nb, n), np.float32)
+    xs = np.empty((nb, n if kind != NOTHING else 0), np.float32)
     if n * nb >= _PARALLEL_BLOCKS:
         for b in prange(nb):
-            _quantize_blocks(x, xq, xd, xs, offset, b, b + 1)
+            _quantize_blocks(x, xq, xd, xs, kind, b, b + 1)
     else:
-        _quantize_blocks(x, xq, xd, xs, offset, 0, nb)
+        _quantize_blocks(x, xq, xd, xs, kind, 0, nb)
     return xq, xd, xs
 
 
@@ -218,27 +227,35 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     prefetch(b, w, b.add(base, c64(PREFETCH_AHEAD)), size)
     dw = b.fpext(o.load(w, base, _vec(F16, 8)), v8f)
     mw = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f) if qs == 32 else None
-    nib = []
-    for c in range(4):
+    q8 = qtype == GGMLType.Q8_0
+    nib = []  # (unsigned quants, the activation bytes' offset in the block) pairs
+    for c in range(8 if q8 else 4):
         v = o.load(w, b.add(base, c64(qs + 32 * c)), _vec(I8, 32))
-        lo = b.and_(v, low)
+        if q8:  # signed bytes: |w| here, w's sign moved onto the activation below
+            nib.append((o.sign(v, v), 4 * c, v))
+            continue
         shifted = b.lshr(b.bitcast(v, _vec(I16, 16)), _splat(I16, 16, 4))
-        hi = b.and_(b.bitcast(shifted, _vec(I8, 32)), low)
-        nib.append((lo, hi))
+        nib.append((b.and_(v, low), 4 * c, None))
+        nib.append((b.and_(b.bitcast(shifted, _vec(I8, 32)), low), 16 + 4 * c, None))
     q0 = b.mul(i, sq)
     d0 = b.mul(i, sd)
     new = []
     for r in range(n_rows):
         at = b.add(q0, c64(32 * r))
-        parts = []
-        for c, (lo, hi) in enumerate(nib):
-            parts.append(o.maddubs(lo, splat_i32(xq, b.add(at, c64(4 * c)))))
-            parts.append(o.maddubs(hi, splat_i32(xq, b.add(at, c64(16 + 4 * c)))))
+        if q8:
+            # a pair of |w| * y products reaches 2 * 128 * 127: each pmaddubsw goes to 32
+            # bits alone, and the 32-bit sums add up
+            parts = []
+            for ax, off, v in nib:
+                y = o.sign(splat_i32(xq, b.add(at, c64(off))), v)
+                parts.append(o.maddwd(o.maddubs(ax, y), ones16))
+        else:
+            parts = [o.maddubs(u, splat_i32(xq, b.add(at, c64(off)))) for u, off, _ in nib]
         while len(parts) > 1:
             parts = [b.add(parts[j], parts[j + 1]) for j in range(0, len(parts), 2)]
-        isum = b.sitofp(o.maddwd(parts[0], ones16), v8f)
+        isum = b.sitofp(parts[0] if q8 else o.maddwd(parts[0], ones16), v8f)
         dat = b.add(d0, c64(4 * r))
-        if mw is None:
+        if qtype == GGMLType.Q4_0:
             isum = b.fadd(isum, splat_f32(xs, dat))
         acc = o.fma8(b.fmul(dw, splat_f32(xd, dat)), isum, accs[r])
         if mw is not None:
@@ -363,13 +380,14 @@ def _x8_rows_overload(qtype, w, xq, xd, xs, out, g_lo, g_hi):
         n = out.shape[0]
         for i0 in range(0, n, TILE_ROWS):
             i1 = min(n, i0 + TILE_ROWS)
+            full = (i1 - i0) // GROUP_ROWS
+            rest = i0 + full * GROUP_ROWS
             for g in range(g_lo, g_hi):
-                t = i0
-                while t + GROUP_ROWS <= i1:
+                for j in range(full):
+                    t = i0 + j * GROUP_ROWS
                     vec_dot_x8(q, GROUP_ROWS, w, g, xq, xd, xs, t, out, t)
-                    t += GROUP_ROWS
-                if t < i1:
-                    _dot_few(q, i1 - t, w, g, xq, xd, xs, t, out)
+                if rest < i1:
+                    _dot_few(q, i1 - rest, w, g, xq, xd, xs, rest, out)
 
     return impl
 
@@ -389,11 +407,11 @@ def _kernel3(qtype: int):
     """Up to three products of one x by x8 weights of one type in one parallel region (an
     absent weight has 0 rows); captures only the type id, so it is disk-cached."""
     qtype = int(qtype)
-    offset = GGMLType(qtype) == GGMLType.Q4_0
+    kind = ACTIVATION[GGMLType(qtype)]
 
     @njit(cache=True, parallel=True, nogil=True)
     def kernel(x, w0, w1, w2, o0, o1, o2, n_tasks):
-        xq, xd, xs = x8_quantize(x, offset)
+        xq, xd, xs = x8_quantize(x, kind)
         m0, m1, m2 = w0.shape[0], w1.shape[0], w2.shape[0]
         for t in prange(n_tasks):
             lo, hi = x8_span(m0, t, n_tasks)
@@ -411,7 +429,7 @@ def matmul_x8(x: np.ndarray, ws: list[np.ndarray], qtype, k: int) -> list[np.nda
     type and width ``k``) in one parallel pass that quantizes x once: float32 (n, m) each."""
     qtype = GGMLType(qtype)
     if qtype not in X8_TYPES or not 1 <= len(ws) <= 3:
-        raise ValueError(f"matmul_x8 takes 1 to 3 Q4_0 / Q4_1 weights, not {len(ws)} {qtype.name}")
+        raise ValueError(f"matmul_x8 takes 1 to 3 x8 weights of one type: {len(ws)} {qtype.name}")
     row_bytes = k // 32 * _SIZE[qtype]
     for w in ws:
         if w.dtype != np.uint8 or w.ndim != 2 or w.shape[1] != row_bytes or w.shape[0] % 8:

@@ -42,7 +42,7 @@ from picollama.backends.cpu.intrinsics import f16_bits
 from picollama.backends.cpu.lora_kernels import LoraB, _row, lora_rows
 from picollama.backends.cpu.qdot import float_convert, float_rows, simd_quantize, simd_rows
 from picollama.backends.cpu.simd import SIMD_TYPES
-from picollama.backends.cpu.simd_x8 import X8_TYPES, x8_quantize, x8_rows
+from picollama.backends.cpu.simd_x8 import NOTHING, OFFSETS, SUMS, X8_TYPES, x8_quantize, x8_rows
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["StepCompiler"]
@@ -86,11 +86,12 @@ _Q8_0 = int(GGMLType.Q8_0)
 _Q4_K = int(GGMLType.Q4_K)
 _Q6_K = int(GGMLType.Q6_K)
 assert {_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q6_K} == {int(t) for t in SIMD_TYPES}
-# a Q4_0 / Q4_1 weight in the x8 layout (``simd_x8``) has this added to its type in ``wmeta``
+# a weight in the x8 layout (``simd_x8``) has this added to its type in ``wmeta``
 _X8 = 256
 _Q4_0X8 = _X8 + _Q4_0
 _Q4_1X8 = _X8 + _Q4_1
-assert {_Q4_0X8 - _X8, _Q4_1X8 - _X8} == {int(t) for t in X8_TYPES}
+_Q8_0X8 = _X8 + _Q8_0
+assert {_Q4_0X8 - _X8, _Q4_1X8 - _X8, _Q8_0X8 - _X8} == {int(t) for t in X8_TYPES}
 _F32 = int(GGMLType.F32)
 _F16 = int(GGMLType.F16)
 _BF16 = int(GGMLType.BF16)
@@ -154,8 +155,9 @@ def _cache(cmeta, seg, which, layer):
 @nb.njit(cache=True, nogil=True)
 def _quantize_any(qt, x):
     """x (n, k) in the dot type of weight type ``qt``: ``(xq, xd, xs, bsums)``."""
-    if qt == _Q4_0X8 or qt == _Q4_1X8:
-        xq, xd, xs = x8_quantize(x, qt == _Q4_0X8)
+    if qt >= _X8:
+        kind = OFFSETS if qt == _Q4_0X8 else SUMS if qt == _Q4_1X8 else NOTHING
+        xq, xd, xs = x8_quantize(x, kind)
         return xq, xd, xs, np.empty((0, 0), np.int32)
     if qt == _Q4_0:
         return simd_quantize(_Q4_0, x)
@@ -179,6 +181,8 @@ def _rows_any(qt, w, xq, xd, xs, bsums, out, lo, hi):
         x8_rows(_Q4_0, w, xq, xd, xs, out, lo // 8, hi // 8)
     elif qt == _Q4_1X8:
         x8_rows(_Q4_1, w, xq, xd, xs, out, lo // 8, hi // 8)
+    elif qt == _Q8_0X8:
+        x8_rows(_Q8_0, w, xq, xd, xs, out, lo // 8, hi // 8)
     elif qt == _Q4_0:
         simd_rows(_Q4_0, w, xq, xd, xs, bsums, out, lo, hi)
     elif qt == _Q4_1:
