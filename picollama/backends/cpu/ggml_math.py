@@ -91,11 +91,15 @@ def _silu_mul_cols(gate, up, out, lo, hi):
     n_rows, n = gate.shape
     mid = min(max(n - n % 8, lo), hi)
     for r in range(n_rows):
-        g, u, o = gate[r], up[r], out[r]
-        for i in range(lo, mid):
+        # slices first, then loops from 0: an index that starts at a run-time ``lo`` may
+        # be negative as far as LLVM knows (Numba wraps those), and the loop then stays
+        # scalar (8 rows of 1536: 102 us against 23 us from index 0)
+        g, u, o = gate[r, lo:mid], up[r, lo:mid], out[r, lo:mid]
+        for i in range(g.shape[0]):
             x = g[i]
             o[i] = (x / (_F(1.0) + v_expf(_F(0.0) - x))) * u[i]
-        for i in range(mid, hi):
+        g, u, o = gate[r, mid:hi], up[r, mid:hi], out[r, mid:hi]
+        for i in range(g.shape[0]):
             x = g[i]
             o[i] = (x / (_F(1.0) + expf(-x))) * u[i]  # ggml_silu_f32
 
@@ -141,14 +145,15 @@ def gelu_table() -> np.ndarray:
 def _gelu_mul_cols(gate, up, out, table, lo, hi):
     """``_gelu_mul`` of columns ``lo..hi`` only (an element's value is its own alone)."""
     for r in range(gate.shape[0]):
-        for i in range(lo, hi):
-            x = gate[r, i]
+        g, u, o = gate[r, lo:hi], up[r, lo:hi], out[r, lo:hi]  # from 0: see _silu_mul_cols
+        for i in range(g.shape[0]):
+            x = g[i]
             if x <= _F(-10.0):
-                out[r, i] = 0.0
+                o[i] = 0.0
             elif x >= _F(10.0):
-                out[r, i] = x * up[r, i]
+                o[i] = x * u[i]
             else:
-                out[r, i] = table[np.int64(f16_bits(x))] * up[r, i]
+                o[i] = table[np.int64(f16_bits(x))] * u[i]
 
 
 @nb.njit(**_JIT)
