@@ -156,8 +156,10 @@ def test_the_backend_multiplies_in_x8_and_looks_up_in_the_file_layout():
     table = be.weight("token_embd.weight", qtype, (k, 24), rows.reshape(-1))
     be.get_rows(table, np.array([3, 1]))
     assert table.x8 is None  # a lookup never repacks
+    assert be.memory_report()["repacked"] == 0
     got = be.matmul(x, w)
     assert w.x8 is not None and np.array_equal(w.x8, simd_x8.repack(rows, qtype))
+    assert be.memory_report()["repacked"] == rows.nbytes
     assert np.array_equal(got, simd_x8.matmul_x8(x, [w.x8], qtype, k)[0])
     gate, up = be.matmul_many(x, (w, w))
     assert np.array_equal(gate, got) and np.array_equal(up, got)

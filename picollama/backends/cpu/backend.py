@@ -58,6 +58,7 @@ class CPUBackend(Backend):
         self.n_threads = min(int(n_threads), numba.config.NUMBA_NUM_THREADS)
         numba.set_num_threads(self.n_threads)
         self._weight_bytes = 0
+        self._x8_bytes = 0
         self._kv_bytes = 0
         self.compiled_steps = True
         # compile the step interpreter in a thread, decoding op by op meanwhile (the CLI and
@@ -103,6 +104,7 @@ class CPUBackend(Backend):
             with self._repack_lock:
                 if w.x8 is None:
                     w.x8 = simd_x8.repack(w.data, w.type)
+                    self._x8_bytes += w.x8.nbytes
         return w.x8
 
     def from_host(self, a: np.ndarray) -> np.ndarray:
@@ -128,7 +130,12 @@ class CPUBackend(Backend):
         return cache
 
     def memory_report(self) -> dict[str, int]:
-        return {"weights": self._weight_bytes, "kv_cache": self._kv_bytes}
+        # "repacked": the x8 copies made so far (in memory beside the file's mapped pages)
+        return {
+            "weights": self._weight_bytes,
+            "repacked": self._x8_bytes,
+            "kv_cache": self._kv_bytes,
+        }
 
     def supports(self, op: str, ggml_type: GGMLType | None = None) -> bool:
         if ggml_type is not None:
