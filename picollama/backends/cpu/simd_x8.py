@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import functools
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from picollama.backends.cpu.qdot import _n_tasks
 from picollama.backends.cpu.qdot_act import q8_block, round_f16
 from picollama.backends.cpu.simd import (
     F16,
@@ -443,6 +443,5 @@ def matmul_x8(x: np.ndarray, ws: list[np.ndarray], qtype, k: int) -> list[np.nda
     w3 = list(ws) + [ws[0][:0]] * (3 - len(ws))
     o3 = outs + [np.empty((n, 0), np.float32)] * (3 - len(ws))
     groups = sum(w.shape[0] for w in ws) // X8_ROWS
-    n_tasks = max(1, min(groups, 4 * numba.get_num_threads()))
-    _kernel3(int(qtype))(x, *w3, *o3, n_tasks)
+    _kernel3(int(qtype))(x, *w3, *o3, _n_tasks(groups))
     return outs
