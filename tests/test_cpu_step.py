@@ -371,14 +371,14 @@ def test_the_step_and_its_kernels_stay_cacheable(tmp_path):
     step again (about a minute on 2 cores) with only a NumbaWarning to show for it."""
     from picollama.backends.cpu import qdot, simd_x8
 
-    Q4_0, Q4_1, Q8_0 = GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0
+    Q4_0, Q4_1, Q5_0, Q8_0 = GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0
     path = tmp_path / "m.gguf"
     write_tiny_model(path, CASES["llama-q4_1"])
     _batched(path, compiled=True, rounds=2)
     # a batch and a single row of each 32-weight type, as a server step takes them
     rng = np.random.default_rng(3)
-    for qtype in (Q4_0, Q4_1, Q8_0):
-        w = rng.integers(0, 256, (8, 18 * {Q8_0: 34, Q4_0: 18, Q4_1: 20}[qtype]))
+    for qtype in (Q4_0, Q4_1, Q5_0, Q8_0):
+        w = rng.integers(0, 256, (8, 18 * {Q8_0: 34, Q4_0: 18, Q4_1: 20, Q5_0: 22}[qtype]))
         w = w.astype(np.uint8)
         w[:, 1::2] &= 0xBF  # finite fp16 scales
         for n in (1, 8, 40):
@@ -388,8 +388,8 @@ def test_the_step_and_its_kernels_stay_cacheable(tmp_path):
                 simd_x8.matmul_x8(x, [simd_x8.repack(w, qtype)], qtype, 576)
     # (the functions Python calls: each one's code links in everything it calls, so one
     # uncacheable callee makes it uncacheable too; loaded from the cache, it was cacheable)
-    dispatchers = [step._run] + [qdot._simd_kernel(int(t)) for t in (Q4_0, Q4_1, Q8_0)]
-    dispatchers += [simd_x8._kernel3(int(t)) for t in (Q4_0, Q4_1, Q8_0)]
+    dispatchers = [step._run] + [qdot._simd_kernel(int(t)) for t in (Q4_0, Q4_1, Q5_0, Q8_0)]
+    dispatchers += [simd_x8._kernel3(int(t)) for t in (Q4_0, Q4_1, Q5_0, Q8_0)]
     for d in dispatchers:
         assert d.overloads, d
         for sig, compiled in d.overloads.items():

@@ -1,11 +1,11 @@
-"""simd_x8: Q4_0, Q4_1 and Q8_0 weights interleaved eight rows at a time.
+"""simd_x8: Q4_0, Q4_1, Q5_0 and Q8_0 weights interleaved eight rows at a time.
 
 The x8 dots sum the same exact integer block products as ggml's ``vec_dot`` and differ
 from it in the float32 order only (one FMA a block into each row's lane, where ggml keeps 8
 lanes a row and sums them at the end), so they are held to test_qdot's bounds: (b) within
 ``(k / 32 + 8) * 2**-23 * S`` of ggml's frozen result, (c) within the activation rounding
-of the exact float64 product. Q4_0's ``-8 * sum(y)`` offset is an exact integer, so its
-results carry no fp16 rounding of a block sum at all.
+of the exact float64 product. Q4_0's ``-8 * sum(y)`` offset (Q5_0's ``-16 * sum(y)``) is
+an exact integer, so their results carry no fp16 rounding of a block sum at all.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from picollama.backends.cpu.backend import CPUBackend
 from picollama.gguf.constants import GGML_TYPES, GGMLType
 from picollama.quant import dequantize
 
-X8 = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
+X8 = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0]
 
 
 def random_rows(qtype: GGMLType, m: int, k: int, seed: int) -> np.ndarray:
@@ -36,10 +36,21 @@ def random_rows(qtype: GGMLType, m: int, k: int, seed: int) -> np.ndarray:
     return rows.reshape(m, nb * size)
 
 
+def transposed_high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0's high bits of 8 rows (8, 4 bytes) as the x8 layout holds them: byte 4r + j,
+    bit c, is bit 4c + j of row r's 32."""
+    bits = np.unpackbits(qh, axis=1, bitorder="little")  # (8, 32): bit i of each row
+    out = np.zeros((8, 4), np.uint8)
+    for j in range(4):
+        for c in range(8):
+            out[:, j] |= bits[:, 4 * c + j] << c
+    return out.reshape(-1)
+
+
 def numpy_repack(rows: np.ndarray, qtype: GGMLType) -> np.ndarray:
     """The documented layout, written out plainly."""
     size = GGML_TYPES[qtype].type_size
-    qs = 4 if qtype == GGMLType.Q4_1 else 2
+    qs = {GGMLType.Q4_1: 4, GGMLType.Q5_0: 6}.get(qtype, 2)
     chunks = (size - qs) // 4
     m, row_bytes = rows.shape
     blocks = rows.reshape(m // 8, 8, row_bytes // size, size)
@@ -50,6 +61,8 @@ def numpy_repack(rows: np.ndarray, qtype: GGMLType) -> np.ndarray:
             out.append(blk[:, 0:2].reshape(-1))
             if qs == 4:
                 out.append(blk[:, 2:4].reshape(-1))
+            if qs == 6:
+                out.append(transposed_high_bits(blk[:, 2:6]))
             for c in range(chunks):
                 out.append(blk[:, qs + 4 * c : qs + 4 * c + 4].reshape(-1))
     return np.concatenate(out).reshape(m, row_bytes)
@@ -61,8 +74,13 @@ def test_repack_writes_the_documented_layout(qtype):
     got = simd_x8.repack(rows, qtype)
     assert got.shape == rows.shape and got.dtype == np.uint8
     assert np.array_equal(got, numpy_repack(rows, qtype))
-    assert not np.array_equal(got, rows)  # a permutation of the same bytes
-    assert np.array_equal(np.sort(got.reshape(-1)), np.sort(rows.reshape(-1)))
+    assert not np.array_equal(got, rows)  # a permutation of the same bytes (Q5_0: of bits)
+    if qtype == GGMLType.Q5_0:
+        for g in range(0, len(rows), 8):  # each group's bits, moved within the group
+            ones = np.unpackbits(rows[g : g + 8]).sum()
+            assert ones == np.unpackbits(got[g : g + 8]).sum()
+    else:
+        assert np.array_equal(np.sort(got.reshape(-1)), np.sort(rows.reshape(-1)))
     with pytest.raises(ValueError, match="groups of 8"):
         simd_x8.repack(rows[:12], qtype)
     with pytest.raises(ValueError, match="no x8 layout"):
@@ -106,15 +124,19 @@ def test_x8_products_near_the_exact_product(qtype):
     assert np.all(np.abs(got - ggml) <= tolerance_b(w, x, qtype))
 
 
-@pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
-def test_extreme_blocks_do_not_overflow_the_16_bit_sums(qtype):
-    """Every quant at its largest (15; Q8_0: -128, which a file may hold) against
-    activations at +-127: each 16-bit lane of the 8 summed pmaddubsw reaches 8 * 2 * 15 *
-    127 = 30480, just below 2**15 (Q8_0's one pmaddubsw 2 * 128 * 127 = 32512); a sum over
-    more products (or a saturating one) would show here as a wrong block sum."""
+EXTREMES = [(t, 0x80 if t == GGMLType.Q8_0 else 0xFF) for t in X8] + [(GGMLType.Q5_0, 0x00)]
+
+
+@pytest.mark.parametrize("qtype,fill", EXTREMES, ids=lambda v: getattr(v, "name", hex(v)))
+def test_extreme_blocks_do_not_overflow_the_16_bit_sums(qtype, fill):
+    """Every quant at its largest (15; Q5_0: 15, stored 31, and -16, stored 0; Q8_0: -128,
+    which a file may hold) against activations at +-127: each 16-bit lane of the 8 summed
+    pmaddubsw reaches 8 * 2 * 15 * 127 = 30480, just below 2**15 (Q5_0's four summed:
+    4 * 2 * 31 * 127 = 31496; Q8_0's one pmaddubsw 2 * 128 * 127 = 32512); a sum over more
+    products (or a saturating one) would show here as a wrong block sum."""
     k, m = 256, 16
     size = GGML_TYPES[qtype].type_size
-    rows = np.full((m, k // 32, size), 0x80 if qtype == GGMLType.Q8_0 else 0xFF, np.uint8)
+    rows = np.full((m, k // 32, size), fill, np.uint8)
     rows[:, :, 0:2] = np.array([1.0], np.float16).view(np.uint8)
     if qtype == GGMLType.Q4_1:
         rows[:, :, 2:4] = np.array([0.0], np.float16).view(np.uint8)
@@ -127,8 +149,9 @@ def test_extreme_blocks_do_not_overflow_the_16_bit_sums(qtype):
     # x is +-1 exactly: quantized to +-127 with d = 1/127 (fp16-rounded), so the only error
     # is that scale's rounding, relative 2**-11
     assert np.allclose(got, exact, rtol=2.0**-10, atol=0)
-    largest = {GGMLType.Q4_0: 7, GGMLType.Q4_1: 15, GGMLType.Q8_0: 128}[qtype]
-    assert abs(got[1, 0]) == pytest.approx(k * largest, 2e-3)
+    largest = {GGMLType.Q4_0: 7, GGMLType.Q4_1: 15, GGMLType.Q5_0: 15, GGMLType.Q8_0: -128}
+    expected = -16 if fill == 0 else largest[qtype]
+    assert got[1, 0] == pytest.approx(k * expected, 2e-3)
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)

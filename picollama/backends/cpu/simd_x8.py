@@ -1,4 +1,4 @@
-"""Q4_0, Q4_1 and Q8_0 weights eight rows at a time: llama.cpp's CPU "repack" idea.
+"""Q4_0, Q4_1, Q5_0 and Q8_0 weights eight rows at a time: llama.cpp's CPU "repack" idea.
 
 A quantized weight row dotted with an activation row costs, per block of 32 and on AVX2,
 an unpack, a ``pmaddubsw``, a ``pmaddwd``, an int-to-float conversion and an FMA (the
@@ -23,18 +23,25 @@ holds rows 8g..8g+7, its block b at byte ``b * 8 * size`` of the group (``size``
 type's block bytes): the 8 rows' scales ``d`` (f16), for Q4_1 their mins ``m`` (f16), then
 chunks of 32 bytes, chunk c holding bytes 4c..4c+3 of each row's quant bytes, row by row
 (Q4: four chunks of the 16 bytes, low nibbles weights 4c..4c+3, high nibbles weights
-16 + 4c..16 + 4c + 3; Q8_0: eight chunks of the 32, weights 4c..4c+3).
+16 + 4c..16 + 4c + 3; Q8_0: eight chunks of the 32, weights 4c..4c+3). Q5_0 is Q4_0's
+layout with the 8 rows' 32 bytes of high bits between scales and chunks, transposed so
+that one register serves all 8 unpacked chunks: bit c of byte 4r + j is the high bit of
+weight 4c + j of row r (the weight in byte j of row r's lane of unpacked chunk c: low
+nibbles for c < 4, high for c >= 4), which a 16-bit shift by 4 - c and a mask put at bit 4
+(``x8_quantize`` a Q5_0 quant + 16, 0..31).
 
 Arithmetic, for output (row j, activation row i), block by block in one float32 lane:
 ``acc = fma(dw_j * dy_i, float(isum), acc)`` then, for Q4_1, ``acc = fma(mw_j, sy_i, acc)``
 (``sy`` the Q8_1 block sum as ggml rounds it), or for Q4_0, whose quants are taken unsigned
 (0..15), ``isum`` is the exact ``sum(u * y) - 8 * sum(y)`` (the offset comes with the
-activations); Q8_0 has the FMA alone. Integer parts are exact as in ggml; the float order
-differs from ggml's ``vec_dot`` (one FMA per block instead of eight lanes summed at the
-end), so a result differs from llama.cpp's plain path by float32 rounding only, as
-llama.cpp's own repacked Q4_0 differs from its plain one. Each output's operations are
-the same whatever the number of activation rows and however a batch is split, so a row's
-result is the same bits alone or in any batch (what the server's slots rely on).
+activations; Q5_0: 0..31 and ``- 16 * sum(y)``, its 16-bit sums over 4 products of a lane
+instead of 8: 4 * 2 * 31 * 127 = 31496); Q8_0 has the FMA alone. Integer parts are exact
+as in ggml; the float order differs from ggml's ``vec_dot`` (one FMA per block instead of
+eight lanes summed at the end), so a result differs from llama.cpp's plain path by float32
+rounding only, as llama.cpp's own repacked Q4_0 differs from its plain one. Each output's
+operations are the same whatever the number of activation rows and however a batch is
+split, so a row's result is the same bits alone or in any batch (what the server's slots
+rely on).
 """
 
 from __future__ import annotations
@@ -77,15 +84,23 @@ __all__ = [
     "matmul_x8",
 ]
 
-X8_TYPES: frozenset[GGMLType] = frozenset((GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0))
+X8_TYPES: frozenset[GGMLType] = frozenset(
+    (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0)
+)
 X8_ROWS = 8  # weight rows of a group
 
-# bytes of one block of one row, and where the quants start in it
-_SIZE = {GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q8_0: 34}
-_QS = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q8_0: 2}
+# bytes of one block of one row, and where the quants start in it (Q5_0: its 4 bytes of
+# high bits before the 16 of nibbles)
+_SIZE = {GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q5_0: 22, GGMLType.Q8_0: 34}
+_QS = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q8_0: 2}
 # what ``x8_quantize`` writes beside a block's quants and scale, per weight type
-SUMS, OFFSETS, NOTHING = 0, 1, 2
-ACTIVATION = {GGMLType.Q4_1: SUMS, GGMLType.Q4_0: OFFSETS, GGMLType.Q8_0: NOTHING}
+SUMS, OFFSETS, NOTHING, OFFSETS16 = 0, 1, 2, 3
+ACTIVATION = {
+    GGMLType.Q4_1: SUMS,
+    GGMLType.Q4_0: OFFSETS,
+    GGMLType.Q5_0: OFFSETS16,
+    GGMLType.Q8_0: NOTHING,
+}
 
 # activation rows one pass over a group's blocks takes at most: 8 (their accumulators and the
 # group's 8 unpacked quant registers do not all fit in AVX2's 16, yet) measured 152 / 145
@@ -121,9 +136,37 @@ def _repack(rows, out, size, qs_at):
                     dst[q0 + 16 * c + 1] = src[s0 + hq + 2 * c + 1]
 
 
+@njit(cache=True, parallel=True)
+def _repack_q5_0(rows, out):
+    """Q5_0's copy: scales and nibble chunks as Q4_0's, and between them the 8 rows' high
+    bits transposed (module docstring: byte 4r + j of the 32, bit c, is the high bit of
+    quant 4c + j of row r)."""
+    m, row_bytes = rows.shape
+    nb = row_bytes // 22
+    dst = out.reshape(-1)
+    for g in prange(m // 8):
+        for b in range(nb):
+            at = g * 8 * row_bytes + b * 176
+            for r in range(8):
+                src = rows[8 * g + r, b * 22 : b * 22 + 22]
+                dst[at + 2 * r] = src[0]
+                dst[at + 2 * r + 1] = src[1]
+                qh = np.uint32(src[2]) | (np.uint32(src[3]) << 8)
+                qh |= (np.uint32(src[4]) << 16) | (np.uint32(src[5]) << 24)
+                for j in range(4):
+                    # bits j, j + 4, .., j + 28 of qh to bits 0..7, three folds
+                    t = (qh >> j) & 0x11111111
+                    t = (t | (t >> 3)) & 0x03030303
+                    t = (t | (t >> 6)) & 0x000F000F
+                    dst[at + 16 + 4 * r + j] = (t | (t >> 12)) & 0xFF
+                for c in range(4):
+                    for j in range(4):
+                        dst[at + 48 + 32 * c + 4 * r + j] = src[6 + 4 * c + j]
+
+
 def repack(rows: np.ndarray, qtype) -> np.ndarray:
-    """The x8 layout (module docstring) of Q4_0, Q4_1 or Q8_0 rows uint8 (m, row_bytes), m
-    a multiple of 8: a new array of the same shape."""
+    """The x8 layout (module docstring) of Q4_0, Q4_1, Q5_0 or Q8_0 rows uint8 (m,
+    row_bytes), m a multiple of 8: a new array of the same shape."""
     qtype = GGMLType(qtype)
     if qtype not in X8_TYPES:
         raise ValueError(f"no x8 layout for {qtype.name}")
@@ -131,7 +174,10 @@ def repack(rows: np.ndarray, qtype) -> np.ndarray:
     if m % X8_ROWS or row_bytes % _SIZE[qtype]:
         raise ValueError(f"x8 needs rows in groups of 8 and whole blocks; got {rows.shape}")
     out = np.empty((m, row_bytes), np.uint8)
-    _repack(np.ascontiguousarray(rows), out, _SIZE[qtype], _QS[qtype])
+    if qtype == GGMLType.Q5_0:
+        _repack_q5_0(np.ascontiguousarray(rows), out)
+    else:
+        _repack(np.ascontiguousarray(rows), out, _SIZE[qtype], _QS[qtype])
     return out
 
 
@@ -142,19 +188,19 @@ def repack(rows: np.ndarray, qtype) -> np.ndarray:
 def _quantize_blocks(x, xqp, xdp, xsp, kind, lo, hi):
     """Blocks lo..hi of every row of x as ggml's Q8_0 / Q8_1, block-major as
     ``qdot_act.quantize_packed`` writes them; ``xsp[b, u]`` is, by ``kind``, the Q8_1 sum
-    (SUMS, for Q4_1), -8 times the sum of the block's quants (OFFSETS, for Q4_0: exact),
-    or not there (NOTHING, for Q8_0)."""
+    (SUMS, for Q4_1), -8 or -16 times the sum of the block's quants (OFFSETS for Q4_0,
+    OFFSETS16 for Q5_0: exact), or not there (NOTHING, for Q8_0)."""
     n = x.shape[0]
     for b in range(lo, hi):
         qrow = xqp[b]
         for u in range(n):
             db, sd = q8_block(x, u, b * 32, qrow, 32 * u)
             xdp[b, u] = round_f16(db)
-            if kind == OFFSETS:
+            if kind == OFFSETS or kind == OFFSETS16:
                 s = 0
                 for e in range(32 * u, 32 * u + 32):
                     s += np.int32(qrow[e])
-                xsp[b, u] = np.float32(-8 * s)
+                xsp[b, u] = np.float32((-8 if kind == OFFSETS else -16) * s)
             elif kind == SUMS:
                 xsp[b, u] = round_f16(sd)
 
@@ -227,6 +273,23 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     dw = b.fpext(o.load(w, base, _vec(F16, 8)), v8f)
     mw = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f) if qs == 32 else None
     q8 = qtype == GGMLType.Q8_0
+    q5 = qtype == GGMLType.Q5_0
+    if q5:  # the 8 rows' high bits: bit c of a byte belongs to the quant in chunk c
+        high = b.bitcast(o.load(w, b.add(base, c64(16)), _vec(I8, 32)), _vec(I16, 16))
+        bit4 = _splat(I8, 32, 0x10)
+
+    def high_bits(c):
+        """Chunk c's high bits as 0x10 or 0 per byte: bit c moved to bit 4 by a 16-bit
+        shift (bit 4 of each byte comes from the same byte for shifts up to 4 left or 3
+        right), then masked."""
+        if c < 4:
+            h = b.shl(high, _splat(I16, 16, 4 - c))
+        elif c > 4:
+            h = b.lshr(high, _splat(I16, 16, c - 4))
+        else:
+            h = high
+        return b.and_(b.bitcast(h, _vec(I8, 32)), bit4)
+
     nib = []  # (unsigned quants, the activation bytes' offset in the block) pairs
     for c in range(8 if q8 else 4):
         v = o.load(w, b.add(base, c64(qs + 32 * c)), _vec(I8, 32))
@@ -234,8 +297,15 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
             nib.append((o.sign(v, v), 4 * c, v))
             continue
         shifted = b.lshr(b.bitcast(v, _vec(I16, 16)), _splat(I16, 16, 4))
-        nib.append((b.and_(v, low), 4 * c, None))
-        nib.append((b.and_(b.bitcast(shifted, _vec(I8, 32)), low), 16 + 4 * c, None))
+        lo = b.and_(v, low)
+        hi = b.and_(b.bitcast(shifted, _vec(I8, 32)), low)
+        if q5:  # 0..31: the quant + 16
+            lo = b.or_(lo, high_bits(c))
+            hi = b.or_(hi, high_bits(c + 4))
+        nib.append((lo, 4 * c, None))
+        nib.append((hi, 16 + 4 * c, None))
+    if q5:  # sums of 4 products of 5-bit quants fit in 16 bits, of 8 not: lows, then highs
+        nib = nib[0::2] + nib[1::2]
     q0 = b.mul(i, sq)
     d0 = b.mul(i, sd)
     new = []
@@ -250,11 +320,20 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
                 parts.append(o.maddwd(o.maddubs(ax, y), ones16))
         else:
             parts = [o.maddubs(u, splat_i32(xq, b.add(at, c64(off)))) for u, off, _ in nib]
+        if q5:
+            # a pair of products is at most 2 * 31 * 127 = 7874: four pmaddubsw sum to
+            # 31496 in 16 bits; each half of the block then goes to 32 bits
+            halves = []
+            for part in (parts[:4], parts[4:]):
+                while len(part) > 1:
+                    part = [b.add(part[j], part[j + 1]) for j in range(0, len(part), 2)]
+                halves.append(o.maddwd(part[0], ones16))
+            parts = [b.add(halves[0], halves[1])]
         while len(parts) > 1:
             parts = [b.add(parts[j], parts[j + 1]) for j in range(0, len(parts), 2)]
-        isum = b.sitofp(parts[0] if q8 else o.maddwd(parts[0], ones16), v8f)
+        isum = b.sitofp(parts[0] if q8 or q5 else o.maddwd(parts[0], ones16), v8f)
         dat = b.add(d0, c64(4 * r))
-        if qtype == GGMLType.Q4_0:
+        if qtype in (GGMLType.Q4_0, GGMLType.Q5_0):
             isum = b.fadd(isum, splat_f32(xs, dat))
         acc = o.fma8(b.fmul(dw, splat_f32(xd, dat)), isum, accs[r])
         if mw is not None:

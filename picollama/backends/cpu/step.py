@@ -42,7 +42,15 @@ from picollama.backends.cpu.intrinsics import f16_bits
 from picollama.backends.cpu.lora_kernels import LoraB, _row, lora_rows
 from picollama.backends.cpu.qdot import float_convert, float_rows, simd_quantize, simd_rows
 from picollama.backends.cpu.simd import SIMD_TYPES
-from picollama.backends.cpu.simd_x8 import NOTHING, OFFSETS, SUMS, X8_TYPES, x8_quantize, x8_rows
+from picollama.backends.cpu.simd_x8 import (
+    NOTHING,
+    OFFSETS,
+    OFFSETS16,
+    SUMS,
+    X8_TYPES,
+    x8_quantize,
+    x8_rows,
+)
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["StepCompiler"]
@@ -90,8 +98,9 @@ assert {_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q6_K} == {int(t) for t in SIM
 _X8 = 256
 _Q4_0X8 = _X8 + _Q4_0
 _Q4_1X8 = _X8 + _Q4_1
+_Q5_0X8 = _X8 + _Q5_0
 _Q8_0X8 = _X8 + _Q8_0
-assert {_Q4_0X8 - _X8, _Q4_1X8 - _X8, _Q8_0X8 - _X8} == {int(t) for t in X8_TYPES}
+assert {_Q4_0X8 - _X8, _Q4_1X8 - _X8, _Q5_0X8 - _X8, _Q8_0X8 - _X8} == {int(t) for t in X8_TYPES}
 _F32 = int(GGMLType.F32)
 _F16 = int(GGMLType.F16)
 _BF16 = int(GGMLType.BF16)
@@ -156,7 +165,13 @@ def _cache(cmeta, seg, which, layer):
 def _quantize_any(qt, x):
     """x (n, k) in the dot type of weight type ``qt``: ``(xq, xd, xs, bsums)``."""
     if qt >= _X8:
-        kind = OFFSETS if qt == _Q4_0X8 else SUMS if qt == _Q4_1X8 else NOTHING
+        kind = NOTHING
+        if qt == _Q4_0X8:
+            kind = OFFSETS
+        elif qt == _Q4_1X8:
+            kind = SUMS
+        elif qt == _Q5_0X8:
+            kind = OFFSETS16
         xq, xd, xs = x8_quantize(x, kind)
         return xq, xd, xs, np.empty((0, 0), np.int32)
     if qt == _Q4_0:
@@ -181,6 +196,8 @@ def _rows_any(qt, w, xq, xd, xs, bsums, out, lo, hi):
         x8_rows(_Q4_0, w, xq, xd, xs, out, lo // 8, hi // 8)
     elif qt == _Q4_1X8:
         x8_rows(_Q4_1, w, xq, xd, xs, out, lo // 8, hi // 8)
+    elif qt == _Q5_0X8:
+        x8_rows(_Q5_0, w, xq, xd, xs, out, lo // 8, hi // 8)
     elif qt == _Q8_0X8:
         x8_rows(_Q8_0, w, xq, xd, xs, out, lo // 8, hi // 8)
     elif qt == _Q4_0:
