@@ -111,6 +111,32 @@ def test_attention(n, start, n_heads, n_kv, window, softcap):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "n,start,n_heads,n_kv,head_dim,window",
+    [
+        (150, 0, 4, 1, 256, 0),  # Gemma 3's heads; 3 tiles of query rows
+        (200, 30, 6, 2, 72, 0),  # 64 lanes in registers, then a tail of 8 one by one
+        (130, 5, 4, 2, 96, 100),  # 64 + 16 + 16 lanes; a window across tiles
+    ],
+)
+def test_tiled_attention_lanes_and_tiles(n, start, n_heads, n_kv, head_dim, window):
+    """The tiled path (64 query rows or more) scores a tile's 64 keys and sums its values
+    lane by lane in registers, 64 or 16 lanes at a time and the rest one by one; tiles of
+    query rows go to the threads out of order. Against float64, F16 cache and float32."""
+    n_ctx = start + n + 3
+    q = _rand(n, n_heads, head_dim)
+    k = _rand(n_ctx, n_kv, head_dim).astype(np.float16)
+    v = _rand(n_ctx, n_kv, head_dim).astype(np.float16)
+    scale = 1 / np.sqrt(head_dim)
+    ref = _attention_ref(q, k.astype(np.float64), v.astype(np.float64), start, scale, window, 0)
+    for kc, vc in (
+        (k.view(np.uint16), v.view(np.uint16)),
+        (k.astype(np.float32), v.astype(np.float32)),
+    ):
+        got = ops.attention(q, kc, vc, start, scale, window)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_silu_and_gelu_mul():
     g, u = _rand(3, 100) * 4, _rand(3, 100)
     g64 = g.astype(np.float64)

@@ -247,6 +247,105 @@ def _value_sum_f16(typingctx, acc, v_cache, lo, kvh, n, ms, vs, d0, width):
     return sig, codegen
 
 
+@intrinsic
+def _tile_scores(typingctx, kt, qrow, n, kq):
+    """The tiled path's scores of one query row: ``kq[l] = sum(kt[d, l] * qrow[d])`` for the
+    ``FA_TILE_KV`` lanes l, each lane one float32 FMA chain over d = 0 .. n - 1 in order from
+    0 (the loop it replaces, with the 64 sums held in registers instead of memory). ``kt``:
+    float32 (n, FA_TILE_KV) C-contiguous; ``qrow``, ``kq``: float32, contiguous."""
+    f32 = types.float32
+    if not (
+        isinstance(kt, types.Array)
+        and kt.dtype == f32
+        and kt.ndim == 2
+        and kt.layout == "C"
+        and qrow.dtype == f32
+        and kq.dtype == f32
+    ):
+        return None
+    w = FA_TILE_KV
+
+    def codegen(context, builder, signature, args):
+        kt_t, q_t, n_t, kq_t = signature.args
+        vt = _vec(_F32, w)
+        kt_p = builder.bitcast(_data(context, builder, kt_t, args[0]), vt.as_pointer())
+        q_p = builder.bitcast(_data(context, builder, q_t, args[1]), _F32.as_pointer())
+        kq_p = builder.bitcast(_data(context, builder, kq_t, args[3]), vt.as_pointer())
+        n = context.cast(builder, args[2], n_t, types.intp)
+        fma = _fma_decl(builder, w)
+        zero = ir.Constant(vt, [ir.Constant(_F32, 0.0)] * w)
+        entry = builder.block
+        loop = builder.append_basic_block("scores.loop")
+        done = builder.append_basic_block("scores.done")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(_I64)
+        acc = builder.phi(vt)
+        qd = builder.load(builder.gep(q_p, [i]))
+        one = builder.insert_element(ir.Constant(vt, None), qd, ir.Constant(ir.IntType(32), 0))
+        krow = builder.load(builder.gep(kt_p, [i]), align=4)
+        acc1 = builder.call(fma, [krow, _lanes(builder, one, [0] * w), acc])
+        i1 = builder.add(i, ir.Constant(_I64, 1))
+        i.add_incoming(ir.Constant(_I64, 0), entry)
+        i.add_incoming(i1, loop)
+        acc.add_incoming(zero, entry)
+        acc.add_incoming(acc1, loop)
+        builder.cbranch(builder.icmp_signed("<", i1, n), loop, done)
+        builder.position_at_end(done)
+        final = builder.phi(vt)
+        final.add_incoming(zero, entry)
+        final.add_incoming(acc1, loop)
+        builder.store(final, kq_p, align=4)
+        return context.get_dummy_value()
+
+    return types.void(kt, qrow, n, kq), codegen
+
+
+@intrinsic
+def _tile_values(typingctx, vt, p, acc, d0, width):
+    """The tiled path's value sum of one query row over a tile, lanes ``d0 .. d0 + width``
+    (a literal): ``acc[d] = fma(vt[tk, d], p[tk], acc[d])`` for tk = 0 .. FA_TILE_KV - 1 in
+    order, the lanes in registers throughout. ``vt``: float32 (FA_TILE_KV, dv) C-contiguous;
+    ``p`` (FA_TILE_KV,), ``acc`` (dv,): float32, contiguous."""
+    f32 = types.float32
+    if not (
+        isinstance(width, types.IntegerLiteral)
+        and isinstance(vt, types.Array)
+        and vt.dtype == f32
+        and vt.ndim == 2
+        and vt.layout == "C"
+        and p.dtype == f32
+        and acc.dtype == f32
+    ):
+        return None
+    w = width.literal_value
+
+    def codegen(context, builder, signature, args):
+        vt_t, p_t, acc_t, d0_t, _ = signature.args
+        vty = _vec(_F32, w)
+        va = context.make_array(vt_t)(context, builder, args[0])
+        dv = cgutils.unpack_tuple(builder, va.shape, 2)[1]
+        d0 = context.cast(builder, args[3], d0_t, types.intp)
+        v_p = builder.gep(builder.bitcast(va.data, _F32.as_pointer()), [d0])
+        p_p = builder.bitcast(_data(context, builder, p_t, args[1]), _F32.as_pointer())
+        a_p = builder.gep(
+            builder.bitcast(_data(context, builder, acc_t, args[2]), _F32.as_pointer()), [d0]
+        )
+        a_p = builder.bitcast(a_p, vty.as_pointer())
+        fma = _fma_decl(builder, w)
+        a = builder.load(a_p, align=4)
+        for tk in range(FA_TILE_KV):  # unrolled: a tile is always FA_TILE_KV keys
+            row = builder.gep(v_p, [builder.mul(ir.Constant(_I64, tk), dv)])
+            v = builder.load(builder.bitcast(row, vty.as_pointer()), align=4)
+            pk = builder.load(builder.gep(p_p, [ir.Constant(_I64, tk)]))
+            one = builder.insert_element(ir.Constant(vty, None), pk, ir.Constant(ir.IntType(32), 0))
+            a = builder.call(fma, [v, _lanes(builder, one, [0] * w), a])
+        builder.store(a, a_p, align=4)
+        return context.get_dummy_value()
+
+    return types.void(vt, p, acc, d0, width), codegen
+
+
 def value_sum(acc, v_cache, lo, kvh, ms, vs):
     """``acc`` (F16 values as float32, zeros) becomes ggml's value sum over the keys
     ``lo .. lo + len(vs)`` of KV head ``kvh`` with the factors of ``one_chunk``'s online
@@ -402,11 +501,7 @@ def tiled(q, k_cache, v_cache, start, scale, window, softcap, out, t0, t1, kvh, 
             lo = max(0, pos - window + 1) if window > 0 else 0
             if ic + FA_TILE_KV <= lo or ic > pos:
                 continue  # every key of this tile is masked for this row
-            kq[:] = 0.0
-            for d in range(head_dim):
-                qd = q[t, h, d]
-                for tk in range(FA_TILE_KV):
-                    kq[tk] = fma_f32(kt[d, tk], qd, kq[tk])
+            _tile_scores(kt, q[t, h], head_dim, kq)
             tile_max = _NEG_INF
             for tk in range(FA_TILE_KV):
                 s = kq[tk] * scale
@@ -431,10 +526,18 @@ def tiled(q, k_cache, v_cache, start, scale, window, softcap, out, t0, t1, kvh, 
             for g in range(0, FA_TILE_KV, 8):
                 psum += np.float64(hsum8_f32(kq, g))
             total[r] = _F(np.float64(total[r]) + psum)
+            arow = acc[r]
+            d = 0
+            while d + 64 <= dv:
+                _tile_values(vt, kq, arow, d, 64)
+                d += 64
+            while d + 16 <= dv:
+                _tile_values(vt, kq, arow, d, 16)
+                d += 16
             for tk in range(FA_TILE_KV):
                 p = kq[tk]
-                for d in range(dv):
-                    acc[r, d] = fma_f32(vt[tk, d], p, acc[r, d])
+                for e in range(d, dv):
+                    arow[e] = fma_f32(vt[tk, e], p, arow[e])
     for r in range(rows):
         t = t0 + r // group
         h = kvh * group + r % group
@@ -467,7 +570,12 @@ def _driver(q, k_cache, v_cache, start, scale, window, softcap, out, chunk):
         n_tiles = (n + FA_TILE_Q - 1) // FA_TILE_Q
         n_kv_heads = k_cache.shape[1]
         for job in nb.prange(n_tiles * n_kv_heads):
-            t0 = (job // n_kv_heads) * FA_TILE_Q
+            # a later tile of query rows has more keys before it: the tiles go last, first,
+            # last but one, second, .. so that the equal runs of jobs the threads take
+            # share the causal triangle's work (in order, 2 threads: 26 to 10 of 36)
+            i = job // n_kv_heads
+            tile = n_tiles - 1 - i // 2 if i % 2 == 0 else i // 2
+            t0 = tile * FA_TILE_Q
             tiled(
                 q,
                 k_cache,
