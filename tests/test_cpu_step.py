@@ -386,10 +386,15 @@ def test_the_step_and_its_kernels_stay_cacheable(tmp_path):
             qdot.matmul_q8(x, w, qtype, 576)
             if qtype in simd_x8.X8_TYPES:
                 simd_x8.matmul_x8(x, [simd_x8.repack(w, qtype)], qtype, 576)
+    w = rng.integers(0, 256, (8, 2 * 144)).astype(np.uint8)  # Q4_K, k = 512
+    w[:, 1::2] &= 0xBF
+    for n in (1, 8, 40):
+        x = rng.standard_normal((n, 512)).astype(np.float32)
+        simd_x8.matmul_x8(x, [simd_x8.repack(w, GGMLType.Q4_K)], GGMLType.Q4_K, 512)
     # (the functions Python calls: each one's code links in everything it calls, so one
     # uncacheable callee makes it uncacheable too; loaded from the cache, it was cacheable)
     dispatchers = [step._run] + [qdot._simd_kernel(int(t)) for t in (Q4_0, Q4_1, Q5_0, Q8_0)]
-    dispatchers += [simd_x8._kernel3(int(t)) for t in (Q4_0, Q4_1, Q5_0, Q8_0)]
+    dispatchers += [simd_x8._kernel3(int(t)) for t in (Q4_0, Q4_1, Q5_0, Q8_0, GGMLType.Q4_K)]
     for d in dispatchers:
         assert d.overloads, d
         for sig, compiled in d.overloads.items():

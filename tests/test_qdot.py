@@ -347,7 +347,7 @@ for name in __TYPES__:
             got = matmul_q8(x, w, t, x.shape[1])
             np.save("__OUT__/mm_%s_%d.npy" % (name, c), got)
 from picollama.backends.cpu import simd_x8
-for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
+for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K"):
     with np.load("__DATA__/" + name + ".npz") as f:
         w, x = f["w2"][:32], f["x2"]
     t = GGMLType[name]
@@ -405,7 +405,7 @@ def test_fallback_isa_paths_give_the_same_bits(isa, tmp_path):
             w, x, _, _ = load_case(GGMLType[name], c)
             native = matmul_q8(x, w, GGMLType[name], x.shape[1])
             assert np.array_equal(np.load(tmp_path / f"mm_{name}_{c}.npy"), native), (name, c)
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):  # the x8 dots (simd_x8)
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K"):  # the x8 dots (simd_x8)
         w, x, _, _ = load_case(GGMLType[name], 2)
         t = GGMLType[name]
         native = simd_x8.matmul_x8(x, [simd_x8.repack(w[:32], t)], t, x.shape[1])[0]

@@ -1,4 +1,4 @@
-"""simd_x8: Q4_0, Q4_1, Q5_0 and Q8_0 weights interleaved eight rows at a time.
+"""simd_x8: Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K weights interleaved eight rows at a time.
 
 The x8 dots sum the same exact integer block products as ggml's ``vec_dot`` and differ
 from it in the float32 order only (one FMA a block into each row's lane, where ggml keeps 8
@@ -19,17 +19,22 @@ from picollama.backends.cpu.backend import CPUBackend
 from picollama.gguf.constants import GGML_TYPES, GGMLType
 from picollama.quant import dequantize
 
-X8 = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0]
+X8 = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K]
+# weights of a block
+BLOCK = {t: GGML_TYPES[t].block_size for t in X8}
 
 
 def random_rows(qtype: GGMLType, m: int, k: int, seed: int) -> np.ndarray:
     """Random quant bytes with sane fp16 scales (and negative mins for Q4_1)."""
     rng = np.random.default_rng(seed)
     size = GGML_TYPES[qtype].type_size
-    nb = k // 32
+    nb = k // BLOCK[qtype]
     rows = rng.integers(0, 256, (m, nb, size), dtype=np.uint8)
     d = (rng.random((m, nb)) * 0.02 + 1e-3).astype(np.float16)
     rows[:, :, 0:2] = d.view(np.uint8).reshape(m, nb, 2)
+    if qtype == GGMLType.Q4_K:  # dmin
+        dmin = (rng.random((m, nb)) * 0.01).astype(np.float16)
+        rows[:, :, 2:4] = dmin.view(np.uint8).reshape(m, nb, 2)
     if qtype == GGMLType.Q4_1:
         mins = (-rng.random((m, nb)) * 0.1).astype(np.float16)
         rows[:, :, 2:4] = mins.view(np.uint8).reshape(m, nb, 2)
@@ -47,8 +52,38 @@ def transposed_high_bits(qh: np.ndarray) -> np.ndarray:
     return out.reshape(-1)
 
 
+def scale_min_k4(q: np.ndarray, j: int) -> tuple[int, int]:
+    """ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from a Q4_K block's 12
+    bytes."""
+    q = [int(v) for v in q]
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def numpy_repack_q4_k(rows: np.ndarray) -> np.ndarray:
+    m, row_bytes = rows.shape
+    nb = row_bytes // 144
+    blocks = rows.reshape(m // 8, 8, nb, 144)
+    out = []
+    for g in range(m // 8):
+        for b in range(nb):
+            blk = blocks[g, :, b]  # (8 rows, 144)
+            out += [blk[:, 0:2].reshape(-1), blk[:, 2:4].reshape(-1)]
+            sm = np.array([[scale_min_k4(blk[r, 4:16], j) for r in range(8)] for j in range(8)])
+            out.append(sm[:, :, 0].astype(np.uint8).reshape(-1))  # scales [j][r]
+            mins = sm[:, :, 1].reshape(4, 2, 8).transpose(0, 2, 1)  # [k][r][j % 2]
+            out.append(mins.astype(np.uint8).reshape(-1))
+            for c in range(32):  # chunk (p, c): bytes 4c.. of each row's 32-byte run p
+                p, cc = divmod(c, 8)
+                out.append(blk[:, 16 + 32 * p + 4 * cc : 16 + 32 * p + 4 * cc + 4].reshape(-1))
+    return np.concatenate(out).reshape(m, nb * 148)
+
+
 def numpy_repack(rows: np.ndarray, qtype: GGMLType) -> np.ndarray:
     """The documented layout, written out plainly."""
+    if qtype == GGMLType.Q4_K:
+        return numpy_repack_q4_k(rows)
     size = GGML_TYPES[qtype].type_size
     qs = {GGMLType.Q4_1: 4, GGMLType.Q5_0: 6}.get(qtype, 2)
     chunks = (size - qs) // 4
@@ -70,12 +105,18 @@ def numpy_repack(rows: np.ndarray, qtype: GGMLType) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
 def test_repack_writes_the_documented_layout(qtype):
-    rows = random_rows(qtype, 24, 96, seed=1)
+    rows = random_rows(qtype, 24, 3 * BLOCK[qtype], seed=1)
     got = simd_x8.repack(rows, qtype)
-    assert got.shape == rows.shape and got.dtype == np.uint8
+    assert got.dtype == np.uint8
     assert np.array_equal(got, numpy_repack(rows, qtype))
-    assert not np.array_equal(got, rows)  # a permutation of the same bytes (Q5_0: of bits)
-    if qtype == GGMLType.Q5_0:
+    if qtype == GGMLType.Q4_K:  # 6-bit scales and mins unpacked: 4 more bytes a block
+        assert got.shape == (24, rows.shape[1] // 144 * 148)
+    else:
+        assert got.shape == rows.shape
+        assert not np.array_equal(got, rows)  # a permutation of the same bytes (Q5_0: bits)
+    if qtype == GGMLType.Q4_K:
+        pass
+    elif qtype == GGMLType.Q5_0:
         for g in range(0, len(rows), 8):  # each group's bits, moved within the group
             ones = np.unpackbits(rows[g : g + 8]).sum()
             assert ones == np.unpackbits(got[g : g + 8]).sum()
@@ -84,7 +125,7 @@ def test_repack_writes_the_documented_layout(qtype):
     with pytest.raises(ValueError, match="groups of 8"):
         simd_x8.repack(rows[:12], qtype)
     with pytest.raises(ValueError, match="no x8 layout"):
-        simd_x8.repack(rows, GGMLType.Q4_K)
+        simd_x8.repack(rows, GGMLType.Q6_K)
 
 
 def tolerance_b(w, x, qtype):
@@ -130,15 +171,16 @@ EXTREMES = [(t, 0x80 if t == GGMLType.Q8_0 else 0xFF) for t in X8] + [(GGMLType.
 @pytest.mark.parametrize("qtype,fill", EXTREMES, ids=lambda v: getattr(v, "name", hex(v)))
 def test_extreme_blocks_do_not_overflow_the_16_bit_sums(qtype, fill):
     """Every quant at its largest (15; Q5_0: 15, stored 31, and -16, stored 0; Q8_0: -128,
-    which a file may hold) against activations at +-127: each 16-bit lane of the 8 summed
-    pmaddubsw reaches 8 * 2 * 15 * 127 = 30480, just below 2**15 (Q5_0's four summed:
-    4 * 2 * 31 * 127 = 31496; Q8_0's one pmaddubsw 2 * 128 * 127 = 32512); a sum over more
-    products (or a saturating one) would show here as a wrong block sum."""
+    which a file may hold; Q4_K: 15 with every scale 63) against activations at +-127:
+    each 16-bit lane of the 8 summed pmaddubsw reaches 8 * 2 * 15 * 127 = 30480, just
+    below 2**15 (Q5_0's four summed: 4 * 2 * 31 * 127 = 31496; Q8_0's one pmaddubsw
+    2 * 128 * 127 = 32512); a sum over more products (or a saturating one) would show
+    here as a wrong block sum."""
     k, m = 256, 16
     size = GGML_TYPES[qtype].type_size
-    rows = np.full((m, k // 32, size), fill, np.uint8)
+    rows = np.full((m, k // BLOCK[qtype], size), fill, np.uint8)
     rows[:, :, 0:2] = np.array([1.0], np.float16).view(np.uint8)
-    if qtype == GGMLType.Q4_1:
+    if qtype in (GGMLType.Q4_1, GGMLType.Q4_K):  # no min (Q4_K: its 6-bit scales all 63)
         rows[:, :, 2:4] = np.array([0.0], np.float16).view(np.uint8)
     rows = rows.reshape(m, -1)
     x = np.where(np.arange(k) % 3 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(3, 0)
@@ -150,13 +192,14 @@ def test_extreme_blocks_do_not_overflow_the_16_bit_sums(qtype, fill):
     # is that scale's rounding, relative 2**-11
     assert np.allclose(got, exact, rtol=2.0**-10, atol=0)
     largest = {GGMLType.Q4_0: 7, GGMLType.Q4_1: 15, GGMLType.Q5_0: 15, GGMLType.Q8_0: -128}
+    largest[GGMLType.Q4_K] = 63 * 15
     expected = -16 if fill == 0 else largest[qtype]
     assert got[1, 0] == pytest.approx(k * expected, 2e-3)
 
 
 @pytest.mark.parametrize("qtype", X8, ids=lambda t: t.name)
 def test_a_row_gets_the_same_bits_alone_or_in_any_batch(qtype):
-    m, k = 48, 320
+    m, k = 48, 512 if qtype == GGMLType.Q4_K else 320
     w8 = simd_x8.repack(random_rows(qtype, m, k, seed=4), qtype)
     x = np.random.default_rng(5).standard_normal((75, k)).astype(np.float32)
     alone = np.concatenate([simd_x8.matmul_x8(x[i : i + 1], [w8], qtype, k)[0] for i in range(75)])

@@ -147,8 +147,9 @@ def add_repack_arg(p: argparse.ArgumentParser) -> None:
         "-nr",
         "--no-repack",
         action="store_true",
-        help="cpu: multiply Q4_0/Q4_1/Q5_0/Q8_0 matrices in the file's layout (ggml's vec_dot, bit "
-        "for bit) instead of repacking them 8 rows at a time (faster; float32 rounding apart)",
+        help="cpu: multiply Q4_0/Q4_1/Q5_0/Q8_0/Q4_K matrices in the file's layout (ggml's "
+        "vec_dot, bit for bit) instead of repacking them 8 rows at a time (faster; float32 "
+        "rounding apart)",
     )
 
 

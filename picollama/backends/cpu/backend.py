@@ -19,9 +19,9 @@ __all__ = ["CPUBackend", "CPUWeight"]
 @dataclass(eq=False)
 class CPUWeight(Weight):
     """A weight's rows as the file has them (``data``, a view into the mmap) and, once a
-    product has needed them, the same bytes in the x8 layout (``simd_x8``) for Q4_0, Q4_1,
-    Q5_0 and Q8_0 matrices: made at the first product, never for a table only looked up (an
-    embedding; a tied one, also the output matrix, is held both ways)."""
+    product has needed them, the same weights in the x8 layout (``simd_x8``) for Q4_0,
+    Q4_1, Q5_0, Q8_0 and Q4_K matrices: made at the first product, never for a table only
+    looked up (an embedding; a tied one, also the output matrix, is held both ways)."""
 
     x8: np.ndarray | None = field(default=None, repr=False)
 
@@ -38,10 +38,10 @@ class CPUBackend(Backend):
     float32: the closer-to-exact reference.
 
     ``repack`` (default on, llama.cpp's ``--no-repack`` turns it off there too): Q4_0, Q4_1,
-    Q5_0 and Q8_0 matrices of a multiple of 8 rows are multiplied in the x8 layout (``simd_x8``),
-    up to twice as fast; their results then differ from ggml's ``vec_dot`` by float32
-    rounding (as llama.cpp's own repacked Q4_0 does). Off, every product is ggml's
-    ``vec_dot`` bit for bit.
+    Q5_0, Q8_0 and Q4_K matrices of a multiple of 8 rows are multiplied in the x8 layout
+    (``simd_x8``), up to 2.6 times as fast; their results then differ from ggml's
+    ``vec_dot`` by float32 rounding (as llama.cpp's own repacked Q4_0 does). Off, every
+    product is ggml's ``vec_dot`` bit for bit.
     """
 
     name = "cpu"

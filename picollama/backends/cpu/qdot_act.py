@@ -42,6 +42,7 @@ __all__ = [
     "f32_to_f16_bits",
     "f16_bits_to_f32",
     "q8_block",
+    "q8k_block",
     "quantize_packed",
 ]
 
@@ -224,6 +225,28 @@ def quantize_packed(x, xqp, xdp, xsp, xcp, lo, hi):
                     xcp[b, 8 * u + g] = -128 * s4
 
 
+@njit(inline="always")
+def q8k_block(x, i, x0, qrow, q0):
+    """One Q8_K block of row i of x (``QK_K`` values from column x0) as
+    quantize_row_q8_K_ref makes it: its quants into ``qrow[q0 : q0 + QK_K]``; returns d."""
+    vmax = np.float32(0.0)
+    amax = np.float32(0.0)
+    for e in range(QK_K):
+        a = abs(x[i, x0 + e])
+        if a > amax:
+            amax = a
+            vmax = x[i, x0 + e]
+    if amax == 0:
+        for e in range(QK_K):
+            qrow[q0 + e] = 0
+        return np.float32(0.0)
+    iscale = np.float32(np.float32(-127.0) / vmax)
+    for e in range(QK_K):
+        v = np.rint(np.float32(iscale * x[i, x0 + e]))
+        qrow[q0 + e] = int(min(v, 127.0))
+    return np.float32(np.float32(1.0) / iscale)
+
+
 @njit(cache=True)
 def _quantize_q8_k(x, qs, d, bsums):
     """Q8_K of each row of x: quantize_row_q8_K_ref."""
@@ -231,30 +254,12 @@ def _quantize_q8_k(x, qs, d, bsums):
     for i in range(n):
         for b in range(k // QK_K):
             x0 = b * QK_K
-            vmax = np.float32(0.0)
-            amax = np.float32(0.0)
-            for e in range(QK_K):
-                a = abs(x[i, x0 + e])
-                if a > amax:
-                    amax = a
-                    vmax = x[i, x0 + e]
-            if amax == 0:
-                d[i, b] = 0.0
-                for e in range(QK_K):
-                    qs[i, x0 + e] = 0
-                for j in range(QK_K // 16):
-                    bsums[i, b * 16 + j] = 0
-                continue
-            iscale = np.float32(np.float32(-127.0) / vmax)
-            for e in range(QK_K):
-                v = np.rint(np.float32(iscale * x[i, x0 + e]))
-                qs[i, x0 + e] = int(min(v, 127.0))
+            d[i, b] = q8k_block(x, i, x0, qs[i], x0)
             for j in range(QK_K // 16):
                 t = 0
                 for e in range(16):
                     t += qs[i, x0 + 16 * j + e]
                 bsums[i, b * 16 + j] = t
-            d[i, b] = np.float32(np.float32(1.0) / iscale)
 
 
 @njit(cache=True)

@@ -1,4 +1,4 @@
-"""Q4_0, Q4_1, Q5_0 and Q8_0 weights eight rows at a time: llama.cpp's CPU "repack" idea.
+"""Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K weights eight rows at a time: llama.cpp's CPU "repack".
 
 A quantized weight row dotted with an activation row costs, per block of 32 and on AVX2,
 an unpack, a ``pmaddubsw``, a ``pmaddwd``, an int-to-float conversion and an FMA (the
@@ -18,7 +18,8 @@ reaches 2 * 128 * 127 each ``pmaddubsw`` is widened alone: the gain is the conve
 FMA shared by 8 rows (SmolLM2's 49152 x 576 output matrix, 2 threads: 1 row 678 -> 392
 us, 8 rows 3376 -> 2696 us; from DRAM one row is bound by memory either way).
 
-Layout (``repack``, same bytes as the file's rows, rows permuted in groups of 8): group g
+Layout (``repack``: the file's bytes, rows permuted in groups of 8, Q5_0's high bits and
+Q4_K's scales rearranged as below): group g
 holds rows 8g..8g+7, its block b at byte ``b * 8 * size`` of the group (``size`` the
 type's block bytes): the 8 rows' scales ``d`` (f16), for Q4_1 their mins ``m`` (f16), then
 chunks of 32 bytes, chunk c holding bytes 4c..4c+3 of each row's quant bytes, row by row
@@ -28,20 +29,28 @@ layout with the 8 rows' 32 bytes of high bits between scales and chunks, transpo
 that one register serves all 8 unpacked chunks: bit c of byte 4r + j is the high bit of
 weight 4c + j of row r (the weight in byte j of row r's lane of unpacked chunk c: low
 nibbles for c < 4, high for c >= 4), which a 16-bit shift by 4 - c and a mask put at bit 4
-(``x8_quantize`` a Q5_0 quant + 16, 0..31).
+(``x8_quantize`` a Q5_0 quant + 16, 0..31). Q4_K (super-blocks of 256, 148 bytes a row
+instead of 144): the 8 rows' d, their dmin, their 6-bit scales unpacked to bytes
+(``[j][r]`` for sub-block j), their mins likewise as ``[k][r][2]`` (sub-blocks 2k and
+2k + 1 side by side, one 32-bit lane a row), then 32 chunks of 32 bytes, chunk 8p + c
+holding bytes 4c..4c+3 of each row's 32-byte run p (low nibbles: sub-block 2p, high:
+2p + 1).
 
 Arithmetic, for output (row j, activation row i), block by block in one float32 lane:
 ``acc = fma(dw_j * dy_i, float(isum), acc)`` then, for Q4_1, ``acc = fma(mw_j, sy_i, acc)``
 (``sy`` the Q8_1 block sum as ggml rounds it), or for Q4_0, whose quants are taken unsigned
 (0..15), ``isum`` is the exact ``sum(u * y) - 8 * sum(y)`` (the offset comes with the
 activations; Q5_0: 0..31 and ``- 16 * sum(y)``, its 16-bit sums over 4 products of a lane
-instead of 8: 4 * 2 * 31 * 127 = 31496); Q8_0 has the FMA alone. Integer parts are exact
-as in ggml; the float order differs from ggml's ``vec_dot`` (one FMA per block instead of
-eight lanes summed at the end), so a result differs from llama.cpp's plain path by float32
-rounding only, as llama.cpp's own repacked Q4_0 differs from its plain one. Each output's
-operations are the same whatever the number of activation rows and however a batch is
-split, so a row's result is the same bits alone or in any batch (what the server's slots
-rely on).
+instead of 8: 4 * 2 * 31 * 127 = 31496); Q8_0 has the FMA alone. Q4_K against Q8_K
+activations: ``acc = fma(d_j * dy_i, float(sum_s sc_s * isum_s), acc)`` then ``acc =
+fma(-dmin_j * dy_i, float(sum_s m_s * ysum_s), acc)``, both integer sums exact (each
+``sc_s * isum_s`` one pmaddwd of a sub-block's 16-bit sums by the scales). Integer parts
+are exact as in ggml; the float order differs from ggml's ``vec_dot`` (one FMA per block
+instead of eight lanes summed at the end), so a result differs from llama.cpp's plain path
+by float32 rounding only, as llama.cpp's own repacked Q4_0 differs from its plain one.
+Each output's operations are the same whatever the number of activation rows and however a
+batch is split, so a row's result is the same bits alone or in any batch (what the
+server's slots rely on).
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from picollama.backends.cpu.qdot import _n_tasks
-from picollama.backends.cpu.qdot_act import q8_block, round_f16
+from picollama.backends.cpu.qdot_act import q8_block, q8k_block, round_f16
 from picollama.backends.cpu.simd import (
     F16,
     F32,
@@ -85,21 +94,33 @@ __all__ = [
 ]
 
 X8_TYPES: frozenset[GGMLType] = frozenset(
-    (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0)
+    (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K)
 )
 X8_ROWS = 8  # weight rows of a group
 
 # bytes of one block of one row, and where the quants start in it (Q5_0: its 4 bytes of
 # high bits before the 16 of nibbles)
-_SIZE = {GGMLType.Q4_0: 18, GGMLType.Q4_1: 20, GGMLType.Q5_0: 22, GGMLType.Q8_0: 34}
-_QS = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q8_0: 2}
+_SIZE = {
+    GGMLType.Q4_0: 18,
+    GGMLType.Q4_1: 20,
+    GGMLType.Q5_0: 22,
+    GGMLType.Q8_0: 34,
+    GGMLType.Q4_K: 144,
+}
+_QS = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q8_0: 2, GGMLType.Q4_K: 32}
+# a row's bytes per block in the x8 layout: the file's, but for Q4_K, whose 6-bit scales
+# and mins are unpacked to bytes (d, dmin 4 + scales 8 + mins 8 + quants 128)
+_X8_SIZE = {**_SIZE, GGMLType.Q4_K: 148}
+# activation quants of a block
+_QBLOCK = {t: 256 if t == GGMLType.Q4_K else 32 for t in _SIZE}
 # what ``x8_quantize`` writes beside a block's quants and scale, per weight type
-SUMS, OFFSETS, NOTHING, OFFSETS16 = 0, 1, 2, 3
+SUMS, OFFSETS, NOTHING, OFFSETS16, KSUMS = 0, 1, 2, 3, 4
 ACTIVATION = {
     GGMLType.Q4_1: SUMS,
     GGMLType.Q4_0: OFFSETS,
     GGMLType.Q5_0: OFFSETS16,
     GGMLType.Q8_0: NOTHING,
+    GGMLType.Q4_K: KSUMS,
 }
 
 # activation rows one pass over a group's blocks takes at most: 8 (their accumulators and the
@@ -164,17 +185,55 @@ def _repack_q5_0(rows, out):
                         dst[at + 48 + 32 * c + 4 * r + j] = src[6 + 4 * c + j]
 
 
+@njit(cache=True, parallel=True)
+def _repack_q4_k(rows, out):
+    """Q4_K's copy (module docstring): per group and super-block, the 8 rows' d and dmin,
+    their 8 scales and 8 mins unpacked from 6 bits (get_scale_min_k4), then the quants in
+    chunks of 4 bytes of each row's 32-byte runs."""
+    m, row_bytes = rows.shape
+    nb = row_bytes // 144
+    xrow = out.shape[1]
+    dst = out.reshape(-1)
+    for g in prange(m // 8):
+        for b in range(nb):
+            at = g * 8 * xrow + b * 8 * 148
+            for r in range(8):
+                src = rows[8 * g + r, b * 144 : b * 144 + 144]
+                for e in range(2):
+                    dst[at + 2 * r + e] = src[e]
+                    dst[at + 16 + 2 * r + e] = src[2 + e]
+                q = src[4:16]
+                for j in range(8):
+                    if j < 4:
+                        sc = q[j] & 63
+                        mn = q[j + 4] & 63
+                    else:
+                        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4)
+                        mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+                    dst[at + 32 + 8 * j + r] = sc
+                    dst[at + 96 + 16 * (j // 2) + 2 * r + j % 2] = mn
+                for p in range(4):
+                    for c in range(8):
+                        for e in range(4):
+                            dst[at + 160 + 32 * (8 * p + c) + 4 * r + e] = src[
+                                16 + 32 * p + 4 * c + e
+                            ]
+
+
 def repack(rows: np.ndarray, qtype) -> np.ndarray:
-    """The x8 layout (module docstring) of Q4_0, Q4_1, Q5_0 or Q8_0 rows uint8 (m,
-    row_bytes), m a multiple of 8: a new array of the same shape."""
+    """The x8 layout (module docstring) of Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K rows uint8 (m,
+    row_bytes), m a multiple of 8: a new array, of the same shape but for Q4_K (148 bytes
+    a row and super-block instead of 144)."""
     qtype = GGMLType(qtype)
     if qtype not in X8_TYPES:
         raise ValueError(f"no x8 layout for {qtype.name}")
     m, row_bytes = rows.shape
     if m % X8_ROWS or row_bytes % _SIZE[qtype]:
         raise ValueError(f"x8 needs rows in groups of 8 and whole blocks; got {rows.shape}")
-    out = np.empty((m, row_bytes), np.uint8)
-    if qtype == GGMLType.Q5_0:
+    out = np.empty((m, row_bytes // _SIZE[qtype] * _X8_SIZE[qtype]), np.uint8)
+    if qtype == GGMLType.Q4_K:
+        _repack_q4_k(np.ascontiguousarray(rows), out)
+    elif qtype == GGMLType.Q5_0:
         _repack_q5_0(np.ascontiguousarray(rows), out)
     else:
         _repack(np.ascontiguousarray(rows), out, _SIZE[qtype], _QS[qtype])
@@ -209,11 +268,44 @@ def _quantize_blocks(x, xqp, xdp, xsp, kind, lo, hi):
 _PARALLEL_BLOCKS = 256
 
 
+@njit(cache=True, nogil=True)
+def _quantize_k_blocks(x, xqp, xdp, xsp, lo, hi):
+    """Q8_K blocks lo..hi of every row of x, block-major: quants ``xqp[b, 256 u ..]``, d
+    ``xdp[b, u]`` (float32, as Q8_K keeps it), and the 8 sums of 32 quants as 4 words of
+    two int16 each (sums 2k and 2k + 1) at ``xsp[b, 4 u + k]`` (int32 bits in float32)."""
+    n = x.shape[0]
+    xsi = xsp.view(np.int32)
+    for b in range(lo, hi):
+        qrow = xqp[b]
+        for u in range(n):
+            xdp[b, u] = q8k_block(x, u, b * 256, qrow, 256 * u)
+            for kk in range(4):
+                s0 = 0
+                s1 = 0
+                for e in range(256 * u + 64 * kk, 256 * u + 64 * kk + 32):
+                    s0 += np.int32(qrow[e])
+                    s1 += np.int32(qrow[e + 32])
+                xsi[b, 4 * u + kk] = (s0 & 0xFFFF) | (s1 << 16)
+
+
 @njit(cache=True, parallel=True, nogil=True)
 def x8_quantize(x, kind):
     """x (n, k) float32, C-contiguous, as the x8 dots read it: ``(xq, xd, xs)`` int8
-    (nb, 32 n), float32 (nb, n), float32 (nb, n) (``_quantize_blocks``)."""
+    (nb, 32 n), float32 (nb, n), float32 (nb, n) (``_quantize_blocks``); for KSUMS (Q4_K)
+    Q8_K blocks: int8 (nb, 256 n), float32 (nb, n), float32 (nb, 4 n)
+    (``_quantize_k_blocks``)."""
     n, k = x.shape
+    if kind == KSUMS:
+        nb = k // 256
+        xq = np.empty((nb, n * 256), np.int8)
+        xd = np.empty((nb, n), np.float32)
+        xs = np.empty((nb, 4 * n), np.float32)
+        if n * nb * 8 >= _PARALLEL_BLOCKS:
+            for b in prange(nb):
+                _quantize_k_blocks(x, xq, xd, xs, b, b + 1)
+        else:
+            _quantize_k_blocks(x, xq, xd, xs, 0, nb)
+        return xq, xd, xs
     nb = k // 32
     xq = np.empty((nb, n * 32), np.int8)
     xd = np.empty((nb, n), np.float32)
@@ -245,7 +337,7 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     done = fn.append_basic_block("done")
     b = ir.IRBuilder(entry)
     o = _Ops(b)
-    size = 8 * _SIZE[qtype]
+    size = 8 * _X8_SIZE[qtype]
     qs = 8 * _QS[qtype]
     v8f = _vec(F32, 8)
     zeros = ir.Constant(v8f, [ir.Constant(F32, 0.0)] * 8)
@@ -271,6 +363,21 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     base = b.mul(i, c64(size))
     prefetch(b, w, b.add(base, c64(PREFETCH_AHEAD)), size)
     dw = b.fpext(o.load(w, base, _vec(F16, 8)), v8f)
+    if qtype == GGMLType.Q4_K:
+        new = _q4_k_block(b, o, w, base, dw, xq, sq, xd, sd, xs, i, accs, splat_i32, splat_f32)
+        i1 = b.add(i, c64(1))
+        i.add_incoming(c64(0), entry)
+        i.add_incoming(i1, loop)
+        for phi, acc in zip(accs, new, strict=True):
+            phi.add_incoming(zeros, entry)
+            phi.add_incoming(acc, loop)
+        b.cbranch(b.icmp_unsigned("<", i1, nb), loop, done)
+        b.position_at_end(done)
+        for r, acc in enumerate(new):
+            dst = b.gep(out, [b.mul(c64(r), so)])
+            b.store(acc, b.bitcast(dst, v8f.as_pointer()), align=4)
+        b.ret_void()
+        return fn
     mw = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f) if qs == 32 else None
     q8 = qtype == GGMLType.Q8_0
     q5 = qtype == GGMLType.Q5_0
@@ -354,6 +461,64 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     return fn
 
 
+def _q4_k_block(b, o, w, base, dw, xq, sq, xd, sd, xs, i, accs, splat_i32, splat_f32):
+    """One Q4_K super-block of the group at ``base`` against each activation row (the
+    ``_define_x8`` loop's body): the accumulators after it. Per sub-block j, the 8 chunks'
+    products sum in 16 bits (8 * 2 * 15 * 127 = 30480) and one pmaddwd by the rows' scales
+    (each in both halves of its row's lane) gives ``sc_j * isum_j`` per row; the 8 add up
+    exactly in 32 bits, as the mins' products with the activation's sums of 32 do."""
+    v8f = _vec(F32, 8)
+    c64 = functools.partial(ir.Constant, I64)
+    low = _splat(I8, 32, 0x0F)
+    dmin = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f)
+    neg_dmin = b.fneg(dmin)
+    scales = []
+    for j in range(8):
+        s8 = o.load(w, b.add(base, c64(32 + 8 * j)), _vec(I8, 8))
+        s32 = b.zext(s8, _vec(I32, 8))
+        s32 = b.or_(s32, b.shl(s32, _splat(I32, 8, 16)))
+        scales.append(b.bitcast(s32, _vec(I16, 16)))
+    mins = []
+    for k in range(4):
+        m8 = o.load(w, b.add(base, c64(96 + 16 * k)), _vec(I8, 16))
+        mins.append(b.zext(m8, _vec(I16, 16)))
+
+    def quants(j, c):
+        """Sub-block j's chunk c of the 8 rows: 4 unsigned quants of each."""
+        v = o.load(w, b.add(base, c64(160 + 32 * (8 * (j // 2) + c))), _vec(I8, 32))
+        if j % 2:
+            v = b.bitcast(b.lshr(b.bitcast(v, _vec(I16, 16)), _splat(I16, 16, 4)), _vec(I8, 32))
+        return b.and_(v, low)
+
+    q0 = b.mul(i, sq)
+    d0 = b.mul(i, sd)
+    s0 = b.mul(i, b.mul(sd, c64(4)))
+    n = len(accs)
+    isums = [None] * n
+    for j in range(8):  # a sub-block's 8 chunks serve every activation row
+        qv = [quants(j, c) for c in range(8)]
+        for r in range(n):
+            at = b.add(q0, c64(256 * r + 32 * j))
+            parts = [o.maddubs(qv[c], splat_i32(xq, b.add(at, c64(4 * c)))) for c in range(8)]
+            while len(parts) > 1:
+                parts = [b.add(parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
+            t = o.maddwd(parts[0], scales[j])
+            isums[r] = t if isums[r] is None else b.add(isums[r], t)
+    out = []
+    for r, acc in enumerate(accs):
+        isum = isums[r]
+        msum = None
+        for k in range(4):
+            y = splat_i32(xs, b.add(s0, c64(16 * r + 4 * k)))
+            t = o.maddwd(mins[k], b.bitcast(y, _vec(I16, 16)))
+            msum = t if msum is None else b.add(msum, t)
+        dy = splat_f32(xd, b.add(d0, c64(4 * r)))
+        acc = o.fma8(b.fmul(dw, dy), b.sitofp(isum, v8f), acc)
+        acc = o.fma8(b.fmul(neg_dmin, dy), b.sitofp(msum, v8f), acc)
+        out.append(acc)
+    return out
+
+
 @intrinsic
 def vec_dot_x8(typingctx, qtype, n_rows, w, g, xq, xd, xs, t, out, i):
     """``vec_dot_x8(qtype, n_rows, w, g, xq, xd, xs, t, out, i)``: for k in 0..n_rows-1
@@ -382,19 +547,20 @@ def vec_dot_x8(typingctx, qtype, n_rows, w, g, xq, xd, xs, t, out, i):
         sd_, _, _ = _array_parts(context, builder, xs_t, xs_v)
         od, os_, _ = _array_parts(context, builder, out_t, out_v)
         c = ir.Constant
-        nb = builder.udiv(row_bytes, c(intp, _SIZE[qt]))
+        nb = builder.udiv(row_bytes, c(intp, _X8_SIZE[qt]))
         t4 = builder.mul(t_, c(intp, 4))
+        ts = builder.mul(t_, c(intp, 16 if qt == GGMLType.Q4_K else 4))
         out_at = builder.add(builder.mul(i_, os_), builder.mul(g_, c(intp, 32)))
         builder.call(
             fn,
             [
                 builder.gep(wd, [builder.mul(g_, builder.mul(ws, c(intp, 8)))]),
                 nb,
-                builder.gep(qd, [builder.mul(t_, c(intp, 32))]),
+                builder.gep(qd, [builder.mul(t_, c(intp, _QBLOCK[qt]))]),
                 qs,
                 builder.gep(dd, [t4]),
                 ds,
-                builder.gep(sd_, [t4]),
+                builder.gep(sd_, [ts]),
                 builder.gep(od, [out_at]),
                 os_,
             ],
@@ -508,7 +674,7 @@ def matmul_x8(x: np.ndarray, ws: list[np.ndarray], qtype, k: int) -> list[np.nda
     qtype = GGMLType(qtype)
     if qtype not in X8_TYPES or not 1 <= len(ws) <= 3:
         raise ValueError(f"matmul_x8 takes 1 to 3 x8 weights of one type: {len(ws)} {qtype.name}")
-    row_bytes = k // 32 * _SIZE[qtype]
+    row_bytes = k // _QBLOCK[qtype] * _X8_SIZE[qtype]
     for w in ws:
         if w.dtype != np.uint8 or w.ndim != 2 or w.shape[1] != row_bytes or w.shape[0] % 8:
             raise ValueError(f"x8 {qtype.name} weights with k={k}: uint8 (8 g, {row_bytes})")

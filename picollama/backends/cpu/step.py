@@ -43,6 +43,7 @@ from picollama.backends.cpu.lora_kernels import LoraB, _row, lora_rows
 from picollama.backends.cpu.qdot import float_convert, float_rows, simd_quantize, simd_rows
 from picollama.backends.cpu.simd import SIMD_TYPES
 from picollama.backends.cpu.simd_x8 import (
+    KSUMS,
     NOTHING,
     OFFSETS,
     OFFSETS16,
@@ -100,7 +101,9 @@ _Q4_0X8 = _X8 + _Q4_0
 _Q4_1X8 = _X8 + _Q4_1
 _Q5_0X8 = _X8 + _Q5_0
 _Q8_0X8 = _X8 + _Q8_0
-assert {_Q4_0X8 - _X8, _Q4_1X8 - _X8, _Q5_0X8 - _X8, _Q8_0X8 - _X8} == {int(t) for t in X8_TYPES}
+_Q4_KX8 = _X8 + _Q4_K
+_X8_CODES = {_Q4_0X8, _Q4_1X8, _Q5_0X8, _Q8_0X8, _Q4_KX8}
+assert {c - _X8 for c in _X8_CODES} == {int(t) for t in X8_TYPES}
 _F32 = int(GGMLType.F32)
 _F16 = int(GGMLType.F16)
 _BF16 = int(GGMLType.BF16)
@@ -172,6 +175,8 @@ def _quantize_any(qt, x):
             kind = SUMS
         elif qt == _Q5_0X8:
             kind = OFFSETS16
+        elif qt == _Q4_KX8:
+            kind = KSUMS
         xq, xd, xs = x8_quantize(x, kind)
         return xq, xd, xs, np.empty((0, 0), np.int32)
     if qt == _Q4_0:
@@ -200,6 +205,8 @@ def _rows_any(qt, w, xq, xd, xs, bsums, out, lo, hi):
         x8_rows(_Q5_0, w, xq, xd, xs, out, lo // 8, hi // 8)
     elif qt == _Q8_0X8:
         x8_rows(_Q8_0, w, xq, xd, xs, out, lo // 8, hi // 8)
+    elif qt == _Q4_KX8:
+        x8_rows(_Q4_K, w, xq, xd, xs, out, lo // 8, hi // 8)
     elif qt == _Q4_0:
         simd_rows(_Q4_0, w, xq, xd, xs, bsums, out, lo, hi)
     elif qt == _Q4_1:
