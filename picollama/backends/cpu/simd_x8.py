@@ -365,87 +365,75 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     dw = b.fpext(o.load(w, base, _vec(F16, 8)), v8f)
     if qtype == GGMLType.Q4_K:
         new = _q4_k_block(b, o, w, base, dw, xq, sq, xd, sd, xs, i, accs, splat_i32, splat_f32)
-        i1 = b.add(i, c64(1))
-        i.add_incoming(c64(0), entry)
-        i.add_incoming(i1, loop)
-        for phi, acc in zip(accs, new, strict=True):
-            phi.add_incoming(zeros, entry)
-            phi.add_incoming(acc, loop)
-        b.cbranch(b.icmp_unsigned("<", i1, nb), loop, done)
-        b.position_at_end(done)
-        for r, acc in enumerate(new):
-            dst = b.gep(out, [b.mul(c64(r), so)])
-            b.store(acc, b.bitcast(dst, v8f.as_pointer()), align=4)
-        b.ret_void()
-        return fn
-    mw = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f) if qs == 32 else None
-    q8 = qtype == GGMLType.Q8_0
-    q5 = qtype == GGMLType.Q5_0
-    if q5:  # the 8 rows' high bits: bit c of a byte belongs to the quant in chunk c
-        high = b.bitcast(o.load(w, b.add(base, c64(16)), _vec(I8, 32)), _vec(I16, 16))
-        bit4 = _splat(I8, 32, 0x10)
+    else:  # blocks of 32
+        mw = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f) if qs == 32 else None
+        q8 = qtype == GGMLType.Q8_0
+        q5 = qtype == GGMLType.Q5_0
+        if q5:  # the 8 rows' high bits: bit c of a byte belongs to the quant in chunk c
+            high = b.bitcast(o.load(w, b.add(base, c64(16)), _vec(I8, 32)), _vec(I16, 16))
+            bit4 = _splat(I8, 32, 0x10)
 
-    def high_bits(c):
-        """Chunk c's high bits as 0x10 or 0 per byte: bit c moved to bit 4 by a 16-bit
-        shift (bit 4 of each byte comes from the same byte for shifts up to 4 left or 3
-        right), then masked."""
-        if c < 4:
-            h = b.shl(high, _splat(I16, 16, 4 - c))
-        elif c > 4:
-            h = b.lshr(high, _splat(I16, 16, c - 4))
-        else:
-            h = high
-        return b.and_(b.bitcast(h, _vec(I8, 32)), bit4)
+        def high_bits(c):
+            """Chunk c's high bits as 0x10 or 0 per byte: bit c moved to bit 4 by a 16-bit
+            shift (bit 4 of each byte comes from the same byte for shifts up to 4 left or 3
+            right), then masked."""
+            if c < 4:
+                h = b.shl(high, _splat(I16, 16, 4 - c))
+            elif c > 4:
+                h = b.lshr(high, _splat(I16, 16, c - 4))
+            else:
+                h = high
+            return b.and_(b.bitcast(h, _vec(I8, 32)), bit4)
 
-    nib = []  # (unsigned quants, the activation bytes' offset in the block) pairs
-    for c in range(8 if q8 else 4):
-        v = o.load(w, b.add(base, c64(qs + 32 * c)), _vec(I8, 32))
-        if q8:  # signed bytes: |w| here, w's sign moved onto the activation below
-            nib.append((o.sign(v, v), 4 * c, v))
-            continue
-        shifted = b.lshr(b.bitcast(v, _vec(I16, 16)), _splat(I16, 16, 4))
-        lo = b.and_(v, low)
-        hi = b.and_(b.bitcast(shifted, _vec(I8, 32)), low)
-        if q5:  # 0..31: the quant + 16
-            lo = b.or_(lo, high_bits(c))
-            hi = b.or_(hi, high_bits(c + 4))
-        nib.append((lo, 4 * c, None))
-        nib.append((hi, 16 + 4 * c, None))
-    if q5:  # sums of 4 products of 5-bit quants fit in 16 bits, of 8 not: lows, then highs
-        nib = nib[0::2] + nib[1::2]
-    q0 = b.mul(i, sq)
-    d0 = b.mul(i, sd)
-    new = []
-    for r in range(n_rows):
-        at = b.add(q0, c64(32 * r))
-        if q8:
-            # a pair of |w| * y products reaches 2 * 128 * 127: each pmaddubsw goes to 32
-            # bits alone, and the 32-bit sums add up
-            parts = []
-            for ax, off, v in nib:
-                y = o.sign(splat_i32(xq, b.add(at, c64(off))), v)
-                parts.append(o.maddwd(o.maddubs(ax, y), ones16))
-        else:
-            parts = [o.maddubs(u, splat_i32(xq, b.add(at, c64(off)))) for u, off, _ in nib]
-        if q5:
-            # a pair of products is at most 2 * 31 * 127 = 7874: four pmaddubsw sum to
-            # 31496 in 16 bits; each half of the block then goes to 32 bits
-            halves = []
-            for part in (parts[:4], parts[4:]):
-                while len(part) > 1:
-                    part = [b.add(part[j], part[j + 1]) for j in range(0, len(part), 2)]
-                halves.append(o.maddwd(part[0], ones16))
-            parts = [b.add(halves[0], halves[1])]
-        while len(parts) > 1:
-            parts = [b.add(parts[j], parts[j + 1]) for j in range(0, len(parts), 2)]
-        isum = b.sitofp(parts[0] if q8 or q5 else o.maddwd(parts[0], ones16), v8f)
-        dat = b.add(d0, c64(4 * r))
-        if qtype in (GGMLType.Q4_0, GGMLType.Q5_0):
-            isum = b.fadd(isum, splat_f32(xs, dat))
-        acc = o.fma8(b.fmul(dw, splat_f32(xd, dat)), isum, accs[r])
-        if mw is not None:
-            acc = o.fma8(mw, splat_f32(xs, dat), acc)
-        new.append(acc)
+        nib = []  # (unsigned quants, the activation bytes' offset in the block) pairs
+        for c in range(8 if q8 else 4):
+            v = o.load(w, b.add(base, c64(qs + 32 * c)), _vec(I8, 32))
+            if q8:  # signed bytes: |w| here, w's sign moved onto the activation below
+                nib.append((o.sign(v, v), 4 * c, v))
+                continue
+            shifted = b.lshr(b.bitcast(v, _vec(I16, 16)), _splat(I16, 16, 4))
+            lo = b.and_(v, low)
+            hi = b.and_(b.bitcast(shifted, _vec(I8, 32)), low)
+            if q5:  # 0..31: the quant + 16
+                lo = b.or_(lo, high_bits(c))
+                hi = b.or_(hi, high_bits(c + 4))
+            nib.append((lo, 4 * c, None))
+            nib.append((hi, 16 + 4 * c, None))
+        if q5:  # sums of 4 products of 5-bit quants fit in 16 bits, of 8 not: lows, then highs
+            nib = nib[0::2] + nib[1::2]
+        q0 = b.mul(i, sq)
+        d0 = b.mul(i, sd)
+        new = []
+        for r in range(n_rows):
+            at = b.add(q0, c64(32 * r))
+            if q8:
+                # a pair of |w| * y products reaches 2 * 128 * 127: each pmaddubsw goes to 32
+                # bits alone, and the 32-bit sums add up
+                parts = []
+                for ax, off, v in nib:
+                    y = o.sign(splat_i32(xq, b.add(at, c64(off))), v)
+                    parts.append(o.maddwd(o.maddubs(ax, y), ones16))
+            else:
+                parts = [o.maddubs(u, splat_i32(xq, b.add(at, c64(off)))) for u, off, _ in nib]
+            if q5:
+                # a pair of products is at most 2 * 31 * 127 = 7874: four pmaddubsw sum to
+                # 31496 in 16 bits; each half of the block then goes to 32 bits
+                halves = []
+                for part in (parts[:4], parts[4:]):
+                    while len(part) > 1:
+                        part = [b.add(part[j], part[j + 1]) for j in range(0, len(part), 2)]
+                    halves.append(o.maddwd(part[0], ones16))
+                parts = [b.add(halves[0], halves[1])]
+            while len(parts) > 1:
+                parts = [b.add(parts[j], parts[j + 1]) for j in range(0, len(parts), 2)]
+            isum = b.sitofp(parts[0] if q8 or q5 else o.maddwd(parts[0], ones16), v8f)
+            dat = b.add(d0, c64(4 * r))
+            if qtype in (GGMLType.Q4_0, GGMLType.Q5_0):
+                isum = b.fadd(isum, splat_f32(xs, dat))
+            acc = o.fma8(b.fmul(dw, splat_f32(xd, dat)), isum, accs[r])
+            if mw is not None:
+                acc = o.fma8(mw, splat_f32(xs, dat), acc)
+            new.append(acc)
     i1 = b.add(i, c64(1))
     i.add_incoming(c64(0), entry)
     i.add_incoming(i1, loop)
