@@ -107,7 +107,7 @@ _SIZE = {
     GGMLType.Q8_0: 34,
     GGMLType.Q4_K: 144,
 }
-_QS = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q8_0: 2, GGMLType.Q4_K: 32}
+_QS = {GGMLType.Q4_0: 2, GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q8_0: 2}
 # a row's bytes per block in the x8 layout: the file's, but for Q4_K, whose 6-bit scales
 # and mins are unpacked to bytes (d, dmin 4 + scales 8 + mins 8 + quants 128)
 _X8_SIZE = {**_SIZE, GGMLType.Q4_K: 148}
@@ -338,7 +338,7 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     b = ir.IRBuilder(entry)
     o = _Ops(b)
     size = 8 * _X8_SIZE[qtype]
-    qs = 8 * _QS[qtype]
+    qs = 8 * _QS.get(qtype, 0)  # (Q4_K lays out its own super-blocks)
     v8f = _vec(F32, 8)
     zeros = ir.Constant(v8f, [ir.Constant(F32, 0.0)] * 8)
     ones16 = _splat(I16, 16, 1)

@@ -42,16 +42,7 @@ from picollama.backends.cpu.intrinsics import f16_bits
 from picollama.backends.cpu.lora_kernels import LoraB, _row, lora_rows
 from picollama.backends.cpu.qdot import float_convert, float_rows, simd_quantize, simd_rows
 from picollama.backends.cpu.simd import SIMD_TYPES
-from picollama.backends.cpu.simd_x8 import (
-    KSUMS,
-    NOTHING,
-    OFFSETS,
-    OFFSETS16,
-    SUMS,
-    X8_TYPES,
-    x8_quantize,
-    x8_rows,
-)
+from picollama.backends.cpu.simd_x8 import ACTIVATION, X8_TYPES, x8_quantize, x8_rows
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["StepCompiler"]
@@ -104,6 +95,10 @@ _Q8_0X8 = _X8 + _Q8_0
 _Q4_KX8 = _X8 + _Q4_K
 _X8_CODES = {_Q4_0X8, _Q4_1X8, _Q5_0X8, _Q8_0X8, _Q4_KX8}
 assert {c - _X8 for c in _X8_CODES} == {int(t) for t in X8_TYPES}
+# the activation kind ``x8_quantize`` takes, by weight type code (simd_x8.ACTIVATION)
+_X8_KIND = np.full(max(int(t) for t in X8_TYPES) + 1, -1, np.int64)
+for _t, _kind in ACTIVATION.items():
+    _X8_KIND[int(_t)] = _kind
 _F32 = int(GGMLType.F32)
 _F16 = int(GGMLType.F16)
 _BF16 = int(GGMLType.BF16)
@@ -168,16 +163,7 @@ def _cache(cmeta, seg, which, layer):
 def _quantize_any(qt, x):
     """x (n, k) in the dot type of weight type ``qt``: ``(xq, xd, xs, bsums)``."""
     if qt >= _X8:
-        kind = NOTHING
-        if qt == _Q4_0X8:
-            kind = OFFSETS
-        elif qt == _Q4_1X8:
-            kind = SUMS
-        elif qt == _Q5_0X8:
-            kind = OFFSETS16
-        elif qt == _Q4_KX8:
-            kind = KSUMS
-        xq, xd, xs = x8_quantize(x, kind)
+        xq, xd, xs = x8_quantize(x, _X8_KIND[qt - _X8])
         return xq, xd, xs, np.empty((0, 0), np.int32)
     if qt == _Q4_0:
         return simd_quantize(_Q4_0, x)
