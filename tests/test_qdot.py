@@ -373,32 +373,60 @@ print(simd.HAS_AVX2, simd.HAS_VNNI)
 ISA_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "F32", "F16", "BF16")
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
-def test_fallback_isa_paths_give_the_same_bits(isa, tmp_path):
+_ISAS = ("generic", "avx2")
+
+
+@pytest.fixture(scope="module")
+def isa_runs(tmp_path_factory):
+    """``_ISA_SCRIPT`` under each fallback ISA, started together: each process compiles
+    on one core (most of its time), so the two take the time of the longer one, not of
+    both. ``{isa: (output folder, process)}``; each test below waits for its own."""
+    import os
+    import subprocess
+    import sys
+
+    runs = {}
+    for isa in _ISAS:
+        out = tmp_path_factory.mktemp(f"isa_{isa}")
+        script = (
+            _ISA_SCRIPT.replace("__TYPES__", repr(ISA_TYPES))
+            .replace("__DATA__", str(DATA))
+            .replace("__OUT__", str(out))
+            .replace("__TESTS__", str(Path(__file__).parent))
+        )
+        env = dict(os.environ, PICOLLAMA_CPU_ISA=isa, NUMBA_CACHE_DIR=str(out / "cache"))
+        # output to files: a pipe nobody reads yet could fill and stall the process
+        with open(out / "stdout", "w") as so, open(out / "stderr", "w") as se:
+            proc = subprocess.Popen([sys.executable, "-c", script], stdout=so, stderr=se, env=env)
+        runs[isa] = (out, proc)
+    yield runs
+    for _, proc in runs.values():
+        if proc.poll() is None:  # a test that failed before waiting for its process
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("isa", _ISAS)
+def test_fallback_isa_paths_give_the_same_bits(isa, isa_runs):
     """The SIMD dots and attention compiled without AVX-512 (avx2) and without any x86
     instruction asked for by name (generic: what a CPU without AVX2/F16C, or ARM, runs)
     give the native build's bits, on the frozen oracle's inputs, and batch invariance
     holds there too (other groupings of rows: fewer rows fit the registers). Each in a
     fresh process with its own Numba cache (the cache does not know the ISA setting)."""
-    import os
     import subprocess
-    import sys
 
     from picollama.backends.cpu import simd_x8
     from picollama.backends.cpu.attention import attention
 
-    script = (
-        _ISA_SCRIPT.replace("__TYPES__", repr(ISA_TYPES))
-        .replace("__DATA__", str(DATA))
-        .replace("__OUT__", str(tmp_path))
-        .replace("__TESTS__", str(Path(__file__).parent))
-    )
-    env = dict(os.environ, PICOLLAMA_CPU_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    has_avx2, has_vnni = proc.stdout.split()
+    tmp_path, proc = isa_runs[isa]
+    try:
+        proc.wait(timeout=1200)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    stderr = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 0, f"the {isa} build failed or ran 20 minutes: {stderr[-3000:]}"
+    has_avx2, has_vnni = (tmp_path / "stdout").read_text().split()
     assert has_vnni == "False" and (has_avx2 == "False") == (isa == "generic")
     for name in ISA_TYPES:
         for c in range(N_CASES):
