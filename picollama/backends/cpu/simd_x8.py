@@ -44,7 +44,7 @@ activations; Q5_0: 0..31 and ``- 16 * sum(y)``, its 16-bit sums over 4 products 
 instead of 8: 4 * 2 * 31 * 127 = 31496); Q8_0 has the FMA alone. Q4_K against Q8_K
 activations: ``acc = fma(d_j * dy_i, float(sum_s sc_s * isum_s), acc)`` then ``acc =
 fma(-dmin_j * dy_i, float(sum_s m_s * ysum_s), acc)``, both integer sums exact (each
-``sc_s * isum_s`` one pmaddwd of a sub-block's 16-bit sums by the scales). Integer parts
+``sc_s * isum_s`` two pmaddwd, of a sub-block's halves' 16-bit sums, by the scales). Integer parts
 are exact as in ggml; the float order differs from ggml's ``vec_dot`` (one FMA per block
 instead of eight lanes summed at the end), so a result differs from llama.cpp's plain path
 by float32 rounding only, as llama.cpp's own repacked Q4_0 differs from its plain one.
@@ -435,11 +435,12 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
                 acc = o.fma8(mw, splat_f32(xs, dat), acc)
             new.append(acc)
     i1 = b.add(i, c64(1))
+    latch = b.block  # (Q4_K's body is a loop of its own)
     i.add_incoming(c64(0), entry)
-    i.add_incoming(i1, loop)
+    i.add_incoming(i1, latch)
     for phi, acc in zip(accs, new, strict=True):
         phi.add_incoming(zeros, entry)
-        phi.add_incoming(acc, loop)
+        phi.add_incoming(acc, latch)
     b.cbranch(b.icmp_unsigned("<", i1, nb), loop, done)
     b.position_at_end(done)
     for r, acc in enumerate(new):
@@ -451,57 +452,82 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
 
 def _q4_k_block(b, o, w, base, dw, xq, sq, xd, sd, xs, i, accs, splat_i32, splat_f32):
     """One Q4_K super-block of the group at ``base`` against each activation row (the
-    ``_define_x8`` loop's body): the accumulators after it. Per sub-block j, the 8 chunks'
-    products sum in 16 bits (8 * 2 * 15 * 127 = 30480) and one pmaddwd by the rows' scales
-    (each in both halves of its row's lane) gives ``sc_j * isum_j`` per row; the 8 add up
-    exactly in 32 bits, as the mins' products with the activation's sums of 32 do."""
+    ``_define_x8`` loop's body): the accumulators after it. A loop over the 4 pairs of
+    sub-blocks (2p, 2p + 1: the low and high nibbles of the same 32-byte runs): per half of
+    the pair's chunks, each row's 4 products of a sub-block sum in 16 bits (4 * 2 * 15 *
+    127) and one pmaddwd by the rows' scales (each in both halves of its row's lane) gives
+    ``sc * isum`` per row; all add up exactly in 32 bits, as the mins' products with the
+    activation's sums of 32 do. A loop, not straight code: LLVM would hoist the unpacking
+    of every sub-block to the top and spill it (~600 stack references a super-block)."""
     v8f = _vec(F32, 8)
+    v8i = _vec(I32, 8)
     c64 = functools.partial(ir.Constant, I64)
     low = _splat(I8, 32, 0x0F)
-    dmin = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f)
-    neg_dmin = b.fneg(dmin)
-    scales = []
-    for j in range(8):
-        s8 = o.load(w, b.add(base, c64(32 + 8 * j)), _vec(I8, 8))
-        s32 = b.zext(s8, _vec(I32, 8))
-        s32 = b.or_(s32, b.shl(s32, _splat(I32, 8, 16)))
-        scales.append(b.bitcast(s32, _vec(I16, 16)))
-    mins = []
-    for k in range(4):
-        m8 = o.load(w, b.add(base, c64(96 + 16 * k)), _vec(I8, 16))
-        mins.append(b.zext(m8, _vec(I16, 16)))
-
-    def quants(j, c):
-        """Sub-block j's chunk c of the 8 rows: 4 unsigned quants of each."""
-        v = o.load(w, b.add(base, c64(160 + 32 * (8 * (j // 2) + c))), _vec(I8, 32))
-        if j % 2:
-            v = b.bitcast(b.lshr(b.bitcast(v, _vec(I16, 16)), _splat(I16, 16, 4)), _vec(I8, 32))
-        return b.and_(v, low)
-
     q0 = b.mul(i, sq)
     d0 = b.mul(i, sd)
     s0 = b.mul(i, b.mul(sd, c64(4)))
     n = len(accs)
-    isums = [None] * n
-    for j in range(8):  # a sub-block's 8 chunks serve every activation row
-        qv = [quants(j, c) for c in range(8)]
+    fn = b.function
+    head = b.block
+    body = fn.append_basic_block("q4k.pairs")
+    after = fn.append_basic_block("q4k.done")
+    b.branch(body)
+    b.position_at_end(body)
+    p = b.phi(I64)
+    isums = [b.phi(v8i) for _ in range(n)]
+    sums = list(isums)
+
+    def scales(j):
+        """Sub-block j's 8 scales (j may be a value), each in both halves of its row's lane."""
+        s8 = o.load(w, b.add(base, b.add(c64(32), b.mul(j, c64(8)))), _vec(I8, 8))
+        s32 = b.zext(s8, v8i)
+        return b.bitcast(b.or_(s32, b.shl(s32, _splat(I32, 8, 16))), _vec(I16, 16))
+
+    j_lo = b.mul(p, c64(2))
+    sc = (scales(j_lo), scales(b.add(j_lo, c64(1))))
+    run = b.add(base, b.add(c64(160), b.mul(p, c64(256))))  # the pair's 8 chunks
+    for half in (range(4), range(4, 8)):
+        raw = {c: o.load(w, b.add(run, c64(32 * c)), _vec(I8, 32)) for c in half}
+        four = _splat(I16, 16, 4)
+        nib = (  # sub-block 2p's quants (low nibbles), 2p + 1's (high)
+            {c: b.and_(v, low) for c, v in raw.items()},
+            {
+                c: b.and_(b.bitcast(b.lshr(b.bitcast(v, _vec(I16, 16)), four), v.type), low)
+                for c, v in raw.items()
+            },
+        )
         for r in range(n):
-            at = b.add(q0, c64(256 * r + 32 * j))
-            parts = [o.maddubs(qv[c], splat_i32(xq, b.add(at, c64(4 * c)))) for c in range(8)]
-            while len(parts) > 1:
-                parts = [b.add(parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
-            t = o.maddwd(parts[0], scales[j])
-            isums[r] = t if isums[r] is None else b.add(isums[r], t)
+            at = b.add(q0, b.add(c64(256 * r), b.mul(p, c64(64))))
+            for e in range(2):  # sub-block 2p + e
+                parts = [
+                    o.maddubs(nib[e][c], splat_i32(xq, b.add(at, c64(32 * e + 4 * c))))
+                    for c in half
+                ]
+                while len(parts) > 1:
+                    parts = [b.add(parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
+                sums[r] = b.add(sums[r], o.maddwd(parts[0], sc[e]))
+    p1 = b.add(p, c64(1))
+    latch = b.block
+    p.add_incoming(c64(0), head)
+    p.add_incoming(p1, latch)
+    zero = ir.Constant(v8i, [ir.Constant(I32, 0)] * 8)
+    for phi, v in zip(isums, sums, strict=True):
+        phi.add_incoming(zero, head)
+        phi.add_incoming(v, latch)
+    b.cbranch(b.icmp_unsigned("<", p1, c64(4)), body, after)
+    b.position_at_end(after)
+    dmin = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f)
+    neg_dmin = b.fneg(dmin)
     out = []
     for r, acc in enumerate(accs):
-        isum = isums[r]
         msum = None
         for k in range(4):
+            m16 = b.zext(o.load(w, b.add(base, c64(96 + 16 * k)), _vec(I8, 16)), _vec(I16, 16))
             y = splat_i32(xs, b.add(s0, c64(16 * r + 4 * k)))
-            t = o.maddwd(mins[k], b.bitcast(y, _vec(I16, 16)))
+            t = o.maddwd(m16, b.bitcast(y, _vec(I16, 16)))
             msum = t if msum is None else b.add(msum, t)
         dy = splat_f32(xd, b.add(d0, c64(4 * r)))
-        acc = o.fma8(b.fmul(dw, dy), b.sitofp(isum, v8f), acc)
+        acc = o.fma8(b.fmul(dw, dy), b.sitofp(sums[r], v8f), acc)
         acc = o.fma8(b.fmul(neg_dmin, dy), b.sitofp(msum, v8f), acc)
         out.append(acc)
     return out
