@@ -16,7 +16,8 @@ the layout llama.cpp's CPU backend repacks Q4_0 into at load (``block_q4_0x8``),
 ggml's sign trick (``|w|`` by ``y`` with ``w``'s sign), and as a pair of its products
 reaches 2 * 128 * 127 each ``pmaddubsw`` is widened alone: the gain is the conversion and
 FMA shared by 8 rows (SmolLM2's 49152 x 576 output matrix, 2 threads: 1 row 678 -> 392
-us, 8 rows 3376 -> 2696 us; from DRAM one row is bound by memory either way).
+us, 8 rows 3376 -> 2696 us, ~2100 us since its block is a loop over pairs of chunks that
+keeps LLVM from spilling them; from DRAM one row is bound by memory either way).
 
 Layout (``repack``: the file's bytes, rows permuted in groups of 8, Q5_0's high bits and
 Q4_K's scales rearranged as below): group g
@@ -365,9 +366,10 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     dw = b.fpext(o.load(w, base, _vec(F16, 8)), v8f)
     if qtype == GGMLType.Q4_K:
         new = _q4_k_block(b, o, w, base, dw, xq, sq, xd, sd, xs, i, accs, splat_i32, splat_f32)
-    else:  # blocks of 32
+    elif qtype == GGMLType.Q8_0:
+        new = _q8_0_block(b, o, w, base, dw, xq, sq, xd, sd, i, accs, splat_i32, splat_f32)
+    else:  # blocks of 32 of 4 or 5 bits
         mw = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f) if qs == 32 else None
-        q8 = qtype == GGMLType.Q8_0
         q5 = qtype == GGMLType.Q5_0
         if q5:  # the 8 rows' high bits: bit c of a byte belongs to the quant in chunk c
             high = b.bitcast(o.load(w, b.add(base, c64(16)), _vec(I8, 32)), _vec(I16, 16))
@@ -386,19 +388,16 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
             return b.and_(b.bitcast(h, _vec(I8, 32)), bit4)
 
         nib = []  # (unsigned quants, the activation bytes' offset in the block) pairs
-        for c in range(8 if q8 else 4):
+        for c in range(4):
             v = o.load(w, b.add(base, c64(qs + 32 * c)), _vec(I8, 32))
-            if q8:  # signed bytes: |w| here, w's sign moved onto the activation below
-                nib.append((o.sign(v, v), 4 * c, v))
-                continue
             shifted = b.lshr(b.bitcast(v, _vec(I16, 16)), _splat(I16, 16, 4))
             lo = b.and_(v, low)
             hi = b.and_(b.bitcast(shifted, _vec(I8, 32)), low)
             if q5:  # 0..31: the quant + 16
                 lo = b.or_(lo, high_bits(c))
                 hi = b.or_(hi, high_bits(c + 4))
-            nib.append((lo, 4 * c, None))
-            nib.append((hi, 16 + 4 * c, None))
+            nib.append((lo, 4 * c))
+            nib.append((hi, 16 + 4 * c))
         if q5:  # sums of 4 products of 5-bit quants fit in 16 bits, of 8 not: lows, then highs
             nib = nib[0::2] + nib[1::2]
         q0 = b.mul(i, sq)
@@ -406,15 +405,7 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
         new = []
         for r in range(n_rows):
             at = b.add(q0, c64(32 * r))
-            if q8:
-                # a pair of |w| * y products reaches 2 * 128 * 127: each pmaddubsw goes to 32
-                # bits alone, and the 32-bit sums add up
-                parts = []
-                for ax, off, v in nib:
-                    y = o.sign(splat_i32(xq, b.add(at, c64(off))), v)
-                    parts.append(o.maddwd(o.maddubs(ax, y), ones16))
-            else:
-                parts = [o.maddubs(u, splat_i32(xq, b.add(at, c64(off)))) for u, off, _ in nib]
+            parts = [o.maddubs(u, splat_i32(xq, b.add(at, c64(off)))) for u, off in nib]
             if q5:
                 # a pair of products is at most 2 * 31 * 127 = 7874: four pmaddubsw sum to
                 # 31496 in 16 bits; each half of the block then goes to 32 bits
@@ -426,7 +417,7 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
                 parts = [b.add(halves[0], halves[1])]
             while len(parts) > 1:
                 parts = [b.add(parts[j], parts[j + 1]) for j in range(0, len(parts), 2)]
-            isum = b.sitofp(parts[0] if q8 or q5 else o.maddwd(parts[0], ones16), v8f)
+            isum = b.sitofp(parts[0] if q5 else o.maddwd(parts[0], ones16), v8f)
             dat = b.add(d0, c64(4 * r))
             if qtype in (GGMLType.Q4_0, GGMLType.Q5_0):
                 isum = b.fadd(isum, splat_f32(xs, dat))
@@ -448,6 +439,50 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
         b.store(acc, b.bitcast(dst, v8f.as_pointer()), align=4)
     b.ret_void()
     return fn
+
+
+def _q8_0_block(b, o, w, base, dw, xq, sq, xd, sd, i, accs, splat_i32, splat_f32):
+    """One Q8_0 block of the group at ``base`` against each activation row (the
+    ``_define_x8`` loop's body): the accumulators after it. Signed bytes go through ggml's
+    sign trick (``|w|`` by ``y`` with ``w``'s sign), and as a pair of its products reaches
+    2 * 128 * 127 each ``pmaddubsw`` is widened alone; the 32-bit sums add up exactly. A
+    loop over the block's 4 pairs of chunks, not straight code: LLVM would load and take
+    ``|w|`` of all 8 chunks first and spill them (~100 stack references a block)."""
+    v8i = _vec(I32, 8)
+    c64 = functools.partial(ir.Constant, I64)
+    ones16 = _splat(I16, 16, 1)
+    q0 = b.mul(i, sq)
+    d0 = b.mul(i, sd)
+    head = b.block
+    body = b.function.append_basic_block("q8.pairs")
+    after = b.function.append_basic_block("q8.done")
+    b.branch(body)
+    b.position_at_end(body)
+    p = b.phi(I64)
+    isums = [b.phi(v8i) for _ in accs]
+    sums = list(isums)
+    for e in range(2):  # chunk 2p + e: bytes 8p + 4e .. + 3 of each row
+        v = o.load(w, b.add(base, b.add(c64(16 + 32 * e), b.mul(p, c64(64)))), _vec(I8, 32))
+        ax = o.sign(v, v)
+        for r in range(len(accs)):
+            at = b.add(q0, b.add(c64(32 * r + 4 * e), b.mul(p, c64(8))))
+            y = o.sign(splat_i32(xq, at), v)
+            sums[r] = b.add(sums[r], o.maddwd(o.maddubs(ax, y), ones16))
+    p1 = b.add(p, c64(1))
+    latch = b.block
+    p.add_incoming(c64(0), head)
+    p.add_incoming(p1, latch)
+    zero = ir.Constant(v8i, [ir.Constant(I32, 0)] * 8)
+    for phi, v in zip(isums, sums, strict=True):
+        phi.add_incoming(zero, head)
+        phi.add_incoming(v, latch)
+    b.cbranch(b.icmp_unsigned("<", p1, c64(4)), body, after)
+    b.position_at_end(after)
+    out = []
+    for r, acc in enumerate(accs):
+        dy = splat_f32(xd, b.add(d0, c64(4 * r)))
+        out.append(o.fma8(b.fmul(dw, dy), b.sitofp(sums[r], _vec(F32, 8)), acc))
+    return out
 
 
 def _q4_k_block(b, o, w, base, dw, xq, sq, xd, sd, xs, i, accs, splat_i32, splat_f32):
