@@ -399,3 +399,70 @@ def test_the_step_and_its_kernels_stay_cacheable(tmp_path):
         assert d.overloads, d
         for sig, compiled in d.overloads.items():
             assert not compiled.library.has_dynamic_globals, (d, sig)
+
+
+@pytest.mark.parametrize("k", [1, 5, 40, 300])
+def test_top_rows_select_as_the_reference(k):
+    """The compiled step's top-k read-back (``_top_rows``) gives ``top_logits``' pairs:
+    the k largest, best first, equal logits by lower id, NaN after every number; rows
+    full of ties, with NaNs and -inf, and rows shorter than k."""
+    from picollama.backends.base import top_logits
+
+    rng = np.random.default_rng(k)
+    rows = [
+        rng.standard_normal(1000).astype(np.float32),
+        rng.integers(-3, 3, 1000).astype(np.float32),  # ties everywhere
+        np.full(1000, 2.0, np.float32),
+        np.where(rng.random(1000) < 0.3, np.nan, rng.standard_normal(1000)).astype(np.float32),
+        np.where(rng.random(1000) < 0.99, np.nan, 1.0).astype(np.float32),  # few numbers
+        np.where(rng.random(1000) < 0.5, -np.inf, rng.standard_normal(1000)).astype(np.float32),
+        np.sort(rng.standard_normal(1000)).astype(np.float32),  # ascending: every one enters
+    ]
+    arena = np.concatenate([np.zeros(7, np.float32), *rows])
+    starts = 7 + 1000 * np.arange(len(rows))
+    ids = np.empty((len(rows), min(k, 1000)), np.int32)
+    vals = np.empty_like(ids, dtype=np.float32)
+    step._top_rows(arena, starts.astype(np.int64), 1000, ids, vals)
+    want = top_logits(np.stack(rows), k)
+    assert np.array_equal(ids, want["id"])
+    assert np.array_equal(vals, want["logit"], equal_nan=True)
+    short = np.empty((1, 5), np.int32)
+    step._top_rows(arena, np.array([7], np.int64), 5, short, np.empty((1, 5), np.float32))
+    assert sorted(short[0].tolist()) == [0, 1, 2, 3, 4]
+
+
+def test_compiled_batches_read_back_the_top_logits(tmp_path):
+    """Segments whose samplers need only their rows' largest logits (``Segment.top_k``)
+    get those from a trusted program, as ``TOP_LOGITS`` equal to ``top_logits`` of the
+    whole rows the same step gives without it; a batch where one segment needs the whole
+    row gets whole rows for all."""
+    from picollama.backends.base import TOP_LOGITS, top_logits
+
+    path = tmp_path / "q4_1.gguf"
+    write_tiny_model(path, CASES["llama-q4_1"])
+    backend = get_backend("cpu", n_threads=2)
+    with GGUFReader(path) as reader:
+        model = load_model(reader, backend)
+        caches = [model.new_cache(32) for _ in range(3)]
+        for i, cache in enumerate(caches):
+            model.forward(np.array(PROMPT[: i + 2]), 0, cache)
+        for r in range(4):
+            tops = [7, 3, 12] if r < 3 else [7, 0, 12]
+
+            def segs(ks, r=r):
+                return [
+                    Segment(np.array([DECODE[r + i]]), i + 2 + r, c, top_k=kk)
+                    for i, (c, kk) in enumerate(zip(caches, ks, strict=True))
+                ]
+
+            whole = backend.forward_step(model, segs([0, 0, 0]))
+            got = backend.forward_step(model, segs(tops))  # the same positions again
+            if r < 2:
+                continue  # the program is traced, then proved, on the first sightings
+            if r == 3:
+                assert all(g.dtype == np.float32 for g in got)
+                assert all(np.array_equal(g, w) for g, w in zip(got, whole, strict=True))
+                continue
+            for g, w in zip(got, whole, strict=True):
+                assert g.dtype == TOP_LOGITS and g.shape == (1, 12)
+                assert np.array_equal(g, top_logits(w, 12))

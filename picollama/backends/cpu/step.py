@@ -35,7 +35,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import intrinsic
 
-from picollama.backends.base import Backend, BackendError, Weight
+from picollama.backends.base import TOP_LOGITS, Backend, BackendError, Weight, logits_top_k
 from picollama.backends.cpu import attention as _attn
 from picollama.backends.cpu import ggml_math, kernels, ops
 from picollama.backends.cpu.intrinsics import f16_bits
@@ -1003,7 +1003,10 @@ class _Program:
         self.trusted = False
         self._lock = threading.Lock()
 
-    def run(self, tokens, positions, starts, cmeta, n_tasks: int):
+    def run(self, tokens, positions, starts, cmeta, n_tasks: int, top_k: int = 0):
+        """The outputs' rows (one array per segment), or with ``top_k`` each row's
+        ``top_k`` largest logits as ``TOP_LOGITS`` (``Backend.to_host_top``): selected in
+        the arena, the whole rows never copied out."""
         w = self.embedding
         rows = kernels.get_rows(w.data, tokens, w.type, w.k)
         # one run at a time: the arena is the program's, and runs release the GIL (two
@@ -1023,7 +1026,89 @@ class _Program:
                 ggml_math.gelu_table(),
             )
             arena = self.arena
-            return [arena[o.offset : o.offset + o.size].reshape(o.shape).copy() for o in self.outs]
+            if top_k <= 0:
+                return [
+                    arena[o.offset : o.offset + o.size].reshape(o.shape).copy() for o in self.outs
+                ]
+            n_vocab = self.outs[0].shape[-1]
+            starts_ = [o.offset + r * n_vocab for o in self.outs for r in range(o.size // n_vocab)]
+            k = min(top_k, n_vocab)
+            ids = np.empty((len(starts_), k), np.int32)
+            vals = np.empty((len(starts_), k), np.float32)
+            _top_rows(arena, np.array(starts_, np.int64), n_vocab, ids, vals)
+        top = np.empty(ids.shape, TOP_LOGITS)
+        top["id"], top["logit"] = ids, vals
+        out, at = [], 0
+        for o in self.outs:
+            n = o.size // n_vocab
+            out.append(top[at : at + n])
+            at += n
+        return out
+
+
+@nb.njit(inline="always")
+def _worse(va, ia, vb, ib) -> bool:
+    """(logit, id) a ranks after b: smaller logit, or equal and higher id; NaN after every
+    number (``top_logits``' order)."""
+    if va != va:
+        return vb == vb or ia > ib
+    if vb != vb:
+        return False
+    return va < vb or (va == vb and ia > ib)
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _top_rows(arena, starts, n_vocab, ids, vals):
+    """Row r (``arena[starts[r] :][:n_vocab]``)'s k largest logits, best first, into
+    ``ids[r]`` and ``vals[r]``: a heap of the k best so far, its worst at the root. A later
+    id never beats an equal logit, so after the first k a logit enters only if it is
+    above the root's (or a number where the root is NaN)."""
+    k = ids.shape[1]
+    for r in prange(starts.shape[0]):
+        row = arena[starts[r] : starts[r] + n_vocab]
+        hv = vals[r]
+        hi = ids[r]
+        for i in range(n_vocab):
+            v = row[i]
+            if i >= k:
+                root = hv[0]
+                if not (v > root or (root != root and v == v)):
+                    continue
+                j = 0  # the new entry replaces the root and sinks
+            else:
+                j = i  # the heap grows: the new entry rises
+                hv[j] = v
+                hi[j] = i
+                while j > 0:
+                    p = (j - 1) // 2
+                    if not _worse(hv[j], hi[j], hv[p], hi[p]):
+                        break
+                    hv[j], hv[p] = hv[p], hv[j]
+                    hi[j], hi[p] = hi[p], hi[j]
+                    j = p
+                continue
+            hv[0] = v
+            hi[0] = i
+            while True:
+                c = 2 * j + 1
+                if c >= k:
+                    break
+                if c + 1 < k and _worse(hv[c + 1], hi[c + 1], hv[c], hi[c]):
+                    c += 1
+                if not _worse(hv[c], hi[c], hv[j], hi[j]):
+                    break
+                hv[j], hv[c] = hv[c], hv[j]
+                hi[j], hi[c] = hi[c], hi[j]
+                j = c
+        for a in range(1, k):  # best first: insertion sort of the k
+            va, ia = hv[a], hi[a]
+            b = a
+            while b > 0 and _worse(hv[b - 1], hi[b - 1], va, ia):
+                hv[b] = hv[b - 1]
+                hi[b] = hi[b - 1]
+                b -= 1
+            hv[b] = va
+            hi[b] = ia
 
 
 _KIND_NAMES = {
@@ -1281,7 +1366,8 @@ class StepCompiler:
         if entry.trusted:
             if self.keep_last:
                 self.last = (entry, args)
-            return entry.run(*args)
+            # each sampler's largest logits, or whole rows (``Segment.top_k``)
+            return entry.run(*args, top_k=logits_top_k(segments))
         if getattr(self.backend, "compile_in_background", False) and not BACKGROUND.ready():
             return model.forward_batch(segments)  # until the interpreter's code is made
         # the program first, then the op-by-op pass, whose cache rows are the ones kept
