@@ -441,43 +441,59 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
     return fn
 
 
-def _q8_0_block(b, o, w, base, dw, xq, sq, xd, sd, i, accs, splat_i32, splat_f32):
-    """One Q8_0 block of the group at ``base`` against each activation row (the
-    ``_define_x8`` loop's body): the accumulators after it. Signed bytes go through ggml's
-    sign trick (``|w|`` by ``y`` with ``w``'s sign), and as a pair of its products reaches
-    2 * 128 * 127 each ``pmaddubsw`` is widened alone; the 32-bit sums add up exactly. A
-    loop over the block's 4 pairs of chunks, not straight code: LLVM would load and take
-    ``|w|`` of all 8 chunks first and spill them (~100 stack references a block)."""
+def _pair_loop(b, n_rows, body):
+    """A loop of 4 trips (a block's or super-block's pairs of chunks or sub-blocks) that
+    carries one 32-bit sum vector per activation row: ``body(p, sums)`` emits trip ``p``'s
+    code and returns the sums after it; the sums after the last trip come back, the
+    builder placed after the loop. A loop, not straight code: LLVM would hoist every
+    trip's loads and unpacking to the top and spill them."""
     v8i = _vec(I32, 8)
     c64 = functools.partial(ir.Constant, I64)
-    ones16 = _splat(I16, 16, 1)
-    q0 = b.mul(i, sq)
-    d0 = b.mul(i, sd)
     head = b.block
-    body = b.function.append_basic_block("q8.pairs")
-    after = b.function.append_basic_block("q8.done")
-    b.branch(body)
-    b.position_at_end(body)
+    loop = b.function.append_basic_block("pairs")
+    after = b.function.append_basic_block("pairs.done")
+    b.branch(loop)
+    b.position_at_end(loop)
     p = b.phi(I64)
-    isums = [b.phi(v8i) for _ in accs]
-    sums = list(isums)
-    for e in range(2):  # chunk 2p + e: bytes 8p + 4e .. + 3 of each row
-        v = o.load(w, b.add(base, b.add(c64(16 + 32 * e), b.mul(p, c64(64)))), _vec(I8, 32))
-        ax = o.sign(v, v)
-        for r in range(len(accs)):
-            at = b.add(q0, b.add(c64(32 * r + 4 * e), b.mul(p, c64(8))))
-            y = o.sign(splat_i32(xq, at), v)
-            sums[r] = b.add(sums[r], o.maddwd(o.maddubs(ax, y), ones16))
+    phis = [b.phi(v8i) for _ in range(n_rows)]
+    sums = body(p, list(phis))
     p1 = b.add(p, c64(1))
     latch = b.block
     p.add_incoming(c64(0), head)
     p.add_incoming(p1, latch)
     zero = ir.Constant(v8i, [ir.Constant(I32, 0)] * 8)
-    for phi, v in zip(isums, sums, strict=True):
+    for phi, v in zip(phis, sums, strict=True):
         phi.add_incoming(zero, head)
         phi.add_incoming(v, latch)
-    b.cbranch(b.icmp_unsigned("<", p1, c64(4)), body, after)
+    b.cbranch(b.icmp_unsigned("<", p1, c64(4)), loop, after)
     b.position_at_end(after)
+    return sums
+
+
+def _q8_0_block(b, o, w, base, dw, xq, sq, xd, sd, i, accs, splat_i32, splat_f32):
+    """One Q8_0 block of the group at ``base`` against each activation row (the
+    ``_define_x8`` loop's body): the accumulators after it. Signed bytes go through ggml's
+    sign trick (``|w|`` by ``y`` with ``w``'s sign), and as a pair of its products reaches
+    2 * 128 * 127 each ``pmaddubsw`` is widened alone; the 32-bit sums add up exactly. A
+    loop over the block's 4 pairs of chunks (straight code spilled ~100 stack references a
+    block: the 8 chunks and their ``|w|`` loaded first)."""
+    c64 = functools.partial(ir.Constant, I64)
+    ones16 = _splat(I16, 16, 1)
+    q0 = b.mul(i, sq)
+    d0 = b.mul(i, sd)
+
+    def pair(p, sums):
+        for e in range(2):  # chunk 2p + e: bytes 8p + 4e .. + 3 of each row
+            at_w = b.add(base, b.add(c64(16 + 32 * e), b.mul(p, c64(64))))
+            v = o.load(w, at_w, _vec(I8, 32))
+            ax = o.sign(v, v)
+            for r in range(len(accs)):
+                at = b.add(q0, b.add(c64(32 * r + 4 * e), b.mul(p, c64(8))))
+                y = o.sign(splat_i32(xq, at), v)
+                sums[r] = b.add(sums[r], o.maddwd(o.maddubs(ax, y), ones16))
+        return sums
+
+    sums = _pair_loop(b, len(accs), pair)
     out = []
     for r, acc in enumerate(accs):
         dy = splat_f32(xd, b.add(d0, c64(4 * r)))
@@ -502,15 +518,6 @@ def _q4_k_block(b, o, w, base, dw, xq, sq, xd, sd, xs, i, accs, splat_i32, splat
     d0 = b.mul(i, sd)
     s0 = b.mul(i, b.mul(sd, c64(4)))
     n = len(accs)
-    fn = b.function
-    head = b.block
-    body = fn.append_basic_block("q4k.pairs")
-    after = fn.append_basic_block("q4k.done")
-    b.branch(body)
-    b.position_at_end(body)
-    p = b.phi(I64)
-    isums = [b.phi(v8i) for _ in range(n)]
-    sums = list(isums)
 
     def scales(j):
         """Sub-block j's 8 scales (j may be a value), each in both halves of its row's lane."""
@@ -518,39 +525,33 @@ def _q4_k_block(b, o, w, base, dw, xq, sq, xd, sd, xs, i, accs, splat_i32, splat
         s32 = b.zext(s8, v8i)
         return b.bitcast(b.or_(s32, b.shl(s32, _splat(I32, 8, 16))), _vec(I16, 16))
 
-    j_lo = b.mul(p, c64(2))
-    sc = (scales(j_lo), scales(b.add(j_lo, c64(1))))
-    run = b.add(base, b.add(c64(160), b.mul(p, c64(256))))  # the pair's 8 chunks
-    for half in (range(4), range(4, 8)):
-        raw = {c: o.load(w, b.add(run, c64(32 * c)), _vec(I8, 32)) for c in half}
-        four = _splat(I16, 16, 4)
-        nib = (  # sub-block 2p's quants (low nibbles), 2p + 1's (high)
-            {c: b.and_(v, low) for c, v in raw.items()},
-            {
-                c: b.and_(b.bitcast(b.lshr(b.bitcast(v, _vec(I16, 16)), four), v.type), low)
-                for c, v in raw.items()
-            },
-        )
-        for r in range(n):
-            at = b.add(q0, b.add(c64(256 * r), b.mul(p, c64(64))))
-            for e in range(2):  # sub-block 2p + e
-                parts = [
-                    o.maddubs(nib[e][c], splat_i32(xq, b.add(at, c64(32 * e + 4 * c))))
-                    for c in half
-                ]
-                while len(parts) > 1:
-                    parts = [b.add(parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
-                sums[r] = b.add(sums[r], o.maddwd(parts[0], sc[e]))
-    p1 = b.add(p, c64(1))
-    latch = b.block
-    p.add_incoming(c64(0), head)
-    p.add_incoming(p1, latch)
-    zero = ir.Constant(v8i, [ir.Constant(I32, 0)] * 8)
-    for phi, v in zip(isums, sums, strict=True):
-        phi.add_incoming(zero, head)
-        phi.add_incoming(v, latch)
-    b.cbranch(b.icmp_unsigned("<", p1, c64(4)), body, after)
-    b.position_at_end(after)
+    def pair(p, sums):
+        j_lo = b.mul(p, c64(2))
+        sc = (scales(j_lo), scales(b.add(j_lo, c64(1))))
+        run = b.add(base, b.add(c64(160), b.mul(p, c64(256))))  # the pair's 8 chunks
+        for half in (range(4), range(4, 8)):
+            raw = {c: o.load(w, b.add(run, c64(32 * c)), _vec(I8, 32)) for c in half}
+            four = _splat(I16, 16, 4)
+            nib = (  # sub-block 2p's quants (low nibbles), 2p + 1's (high)
+                {c: b.and_(v, low) for c, v in raw.items()},
+                {
+                    c: b.and_(b.bitcast(b.lshr(b.bitcast(v, _vec(I16, 16)), four), v.type), low)
+                    for c, v in raw.items()
+                },
+            )
+            for r in range(n):
+                at = b.add(q0, b.add(c64(256 * r), b.mul(p, c64(64))))
+                for e in range(2):  # sub-block 2p + e
+                    parts = [
+                        o.maddubs(nib[e][c], splat_i32(xq, b.add(at, c64(32 * e + 4 * c))))
+                        for c in half
+                    ]
+                    while len(parts) > 1:
+                        parts = [b.add(parts[k], parts[k + 1]) for k in range(0, len(parts), 2)]
+                    sums[r] = b.add(sums[r], o.maddwd(parts[0], sc[e]))
+        return sums
+
+    sums = _pair_loop(b, n, pair)
     dmin = b.fpext(o.load(w, b.add(base, c64(16)), _vec(F16, 8)), v8f)
     neg_dmin = b.fneg(dmin)
     out = []
