@@ -44,6 +44,7 @@ from picollama.backends.cpu.qdot import float_convert, float_rows, simd_quantize
 from picollama.backends.cpu.simd import SIMD_TYPES
 from picollama.backends.cpu.simd_x8 import ACTIVATION, X8_TYPES, x8_quantize, x8_rows
 from picollama.gguf.constants import GGMLType
+from picollama.sampling.samplers import _top_k_indices
 
 __all__ = ["StepCompiler"]
 
@@ -1046,69 +1047,27 @@ class _Program:
         return out
 
 
-@nb.njit(inline="always")
-def _worse(va, ia, vb, ib) -> bool:
-    """(logit, id) a ranks after b: smaller logit, or equal and higher id; NaN after every
-    number (``top_logits``' order)."""
-    if va != va:
-        return vb == vb or ia > ib
-    if vb != vb:
-        return False
-    return va < vb or (va == vb and ia > ib)
-
-
 @nb.njit(cache=True, nogil=True, parallel=True)
 def _top_rows(arena, starts, n_vocab, ids, vals):
     """Row r (``arena[starts[r] :][:n_vocab]``)'s k largest logits, best first, into
-    ``ids[r]`` and ``vals[r]``: a heap of the k best so far, its worst at the root. A later
-    id never beats an equal logit, so after the first k a logit enters only if it is
-    above the root's (or a number where the root is NaN)."""
+    ``ids[r]`` and ``vals[r]``, in ``top_logits``' order: the sampler's own selection
+    (``_top_k_indices``: equal logits by lower id), then, where the row has fewer than k
+    numbers, its NaNs by id."""
     k = ids.shape[1]
     for r in prange(starts.shape[0]):
         row = arena[starts[r] : starts[r] + n_vocab]
-        hv = vals[r]
-        hi = ids[r]
-        for i in range(n_vocab):
-            v = row[i]
-            if i >= k:
-                root = hv[0]
-                if not (v > root or (root != root and v == v)):
-                    continue
-                j = 0  # the new entry replaces the root and sinks
-            else:
-                j = i  # the heap grows: the new entry rises
-                hv[j] = v
-                hi[j] = i
-                while j > 0:
-                    p = (j - 1) // 2
-                    if not _worse(hv[j], hi[j], hv[p], hi[p]):
-                        break
-                    hv[j], hv[p] = hv[p], hv[j]
-                    hi[j], hi[p] = hi[p], hi[j]
-                    j = p
-                continue
-            hv[0] = v
-            hi[0] = i
-            while True:
-                c = 2 * j + 1
-                if c >= k:
-                    break
-                if c + 1 < k and _worse(hv[c + 1], hi[c + 1], hv[c], hi[c]):
-                    c += 1
-                if not _worse(hv[c], hi[c], hv[j], hi[j]):
-                    break
-                hv[j], hv[c] = hv[c], hv[j]
-                hi[j], hi[c] = hi[c], hi[j]
-                j = c
-        for a in range(1, k):  # best first: insertion sort of the k
-            va, ia = hv[a], hi[a]
-            b = a
-            while b > 0 and _worse(hv[b - 1], hi[b - 1], va, ia):
-                hv[b] = hv[b - 1]
-                hi[b] = hi[b - 1]
-                b -= 1
-            hv[b] = va
-            hi[b] = ia
+        best = _top_k_indices(row, k)
+        m = best.shape[0]
+        for a in range(m):
+            ids[r, a] = best[a]
+            vals[r, a] = row[best[a]]
+        i = 0
+        while m < k:
+            if row[i] != row[i]:
+                ids[r, m] = i
+                vals[r, m] = row[i]
+                m += 1
+            i += 1
 
 
 _KIND_NAMES = {
