@@ -237,17 +237,19 @@ def test_prefill_fp16_scales_activations_beyond_its_range(be, qtype):
     assert np.all(err <= bound), float((err / bound).max())
 
 
-def test_int8_matvec_fusions(be):
+@pytest.mark.parametrize("k", [512, 4096])
+def test_int8_matvec_fusions(be, k):
     """The launches the decode graphs fuse (backend._fuse), run directly: Q, K and V in one
     launch, and gate and up with SiLU / GELU in one launch, equal their separate int8
     matvecs and activation bit for bit (the same integer dots and float32 steps per row);
     a folded RMS norm normalizes as rms_norm does (its float64 sum in another order can
     move the scale by an ulp, and with it an int8 code: compared within the int8 bound);
-    a folded residual add is one float32 addition: exact."""
+    a folded residual add is one float32 addition: exact. k = 4096: the loops without
+    range tests (every row pair has both rows there)."""
     from picollama.backends.cuda.backend import _Matvec
 
     rng = np.random.default_rng(9)
-    k, n_tok = 512, 1
+    n_tok = 1
     weights = []
     for qtype, m in ((GGMLType.Q4_K, 96), (GGMLType.Q4_K, 40), (GGMLType.Q4_K, 40)):
         raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
@@ -354,6 +356,27 @@ def test_int8_qkv_rope_store(be, neox, n_rot, hdv, k):
 
 
 Q8DOT = sorted(layout.Q8DOT_TYPES)
+
+
+@pytest.mark.parametrize("qtype", Q8DOT, ids=[t.name for t in Q8DOT])
+def test_int8_matvec_whole_iterations(be, qtype):
+    """Rows of k = 4096 are whole iterations for every int8 type (the chunks of a row a
+    multiple of 32 lanes x the unroll), so the matvecs take their loops without per-chunk
+    range tests (mmvq.cu, ALL); with m odd the last row pair has one row and takes the
+    tested loop. Both within the int8 bound of the float64 product, for 1 and 3 tokens."""
+    rng = np.random.default_rng(47 + int(qtype))
+    k, m = 4096, 75
+    raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
+    W64 = dequantize(raw, qtype).reshape(m, k).astype(np.float64)
+    A = _weight_magnitude(raw, qtype, m, k)
+    wt = be.weight("w", qtype, (k, m), raw)
+    for n in (1, 3):
+        x = rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, size=(n, k // 32)).repeat(32, 1)
+        x = x.astype(np.float32)
+        y = be.to_host(be.matmul(be.from_host(x), wt))
+        err = np.abs(y - x.astype(np.float64) @ W64.T)
+        bound = _int8_bound(x, W64, A)
+        assert np.all(err <= bound), (n, float((err / bound).max()))
 
 
 @pytest.mark.parametrize("qtype", Q8DOT, ids=[t.name for t in Q8DOT])

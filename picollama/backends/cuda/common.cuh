@@ -36,6 +36,7 @@ __device__ __forceinline__ float u2f_off(u32 q, float magic_plus_offset) {
 
 __device__ __forceinline__ u32 ld_u32(const u8* p) { return __ldg((const u32*)p); }
 __device__ __forceinline__ u16 ld_u16(const u8* p) { return __ldg((const u16*)p); }
+__device__ __forceinline__ uint2 ld_u64(const u8* p) { return __ldg((const uint2*)p); }
 __device__ __forceinline__ uint4 ld_u128(const u8* p) { return __ldg((const uint4*)p); }
 
 // byte i (0..3) of a 32-bit word

@@ -3,7 +3,9 @@
 A ggml weight is a sequence of blocks (``Q6_K``: 210 bytes per 256 weights). On the device
 the same bytes are regrouped field by field ("field-major"): field f of every block is
 stored contiguously, starting on a 256-byte boundary, so that the kernels read each field
-with aligned 16-byte loads (a 210-byte block allows only 2-byte ones). Nothing is
+with aligned 16-byte loads (a 210-byte block allows only 2-byte ones). Q4_K's and Q5_K's
+first 16 bytes (d, dmin and the 12 bytes of 6-bit scales and mins) stay one field: a
+kernel takes a block's scales with one 16-byte load. Nothing is
 dequantized or re-rounded: the device copy holds the file's bytes, and as many of them
 (Q8_K's ``bsums``, which no kernel reads, are left out).
 
@@ -52,8 +54,8 @@ FIELDS: dict[GGMLType, tuple[int, tuple[tuple[int, int], ...]]] = {
     GGMLType.Q8_1: (32, ((0, 4), (4, 32))),  # d, s | qs
     GGMLType.Q2_K: (256, ((0, 16), (16, 64), (80, 4))),  # scales | qs | d, dmin
     GGMLType.Q3_K: (256, ((0, 32), (32, 64), (96, 12), (108, 2))),  # hmask | qs | scales | d
-    GGMLType.Q4_K: (256, ((0, 4), (4, 12), (16, 128))),  # d, dmin | scales | qs
-    GGMLType.Q5_K: (256, ((0, 4), (4, 12), (16, 32), (48, 128))),  # d, dmin | sc | qh | qs
+    GGMLType.Q4_K: (256, ((0, 16), (16, 128))),  # d, dmin, scales | qs
+    GGMLType.Q5_K: (256, ((0, 16), (16, 32), (48, 128))),  # d, dmin, scales | qh | qs
     GGMLType.Q6_K: (256, ((0, 128), (128, 64), (192, 16), (208, 2))),  # ql | qh | scales | d
     GGMLType.Q8_K: (256, ((0, 4), (4, 256))),  # d | qs (bsums not uploaded)
     GGMLType.IQ4_NL: (32, ((0, 2), (2, 16))),  # d | qs

@@ -137,11 +137,23 @@ __device__ __forceinline__ u32 spread4_bit4(u32 b) { return ((b * 0x00204081u) &
 
 __device__ __forceinline__ int4 ld_x16(const signed char* p) { return *(const int4*)p; }
 
+// element i of a field of sz-byte elements: one wide multiply-add (IMAD.WIDE.U32). The
+// kernels count a weight's chunks and blocks in 32 bits (a weight of fewer than 2^32
+// chunks: 2^36 weights and more for every type here)
+__device__ __forceinline__ const u8* at(const u8* p, u32 i, u32 sz) {
+    return p + (unsigned long long)i * sz;
+}
+
 // weight loads from global memory (G, read-only path) or from a stage in shared memory
 template <bool G>
 __device__ __forceinline__ uint4 lw128(const u8* p) {
     if constexpr (G) return ld_u128(p);
     else return *(const uint4*)p;
+}
+template <bool G>
+__device__ __forceinline__ uint2 lw64(const u8* p) {
+    if constexpr (G) return ld_u64(p);
+    else return *(const uint2*)p;
 }
 template <bool G>
 __device__ __forceinline__ u32 lw32(const u8* p) {
@@ -157,9 +169,9 @@ __device__ __forceinline__ u32 lw16(const u8* p) {
 // MVQ_HI16: the high nibbles of Q4_0 and Q4_K codes multiplied where they lie, as the
 // unsigned bytes (w & 0xF0) = 16 q (dp4a.u32.s32), and the sum shifted right by 4: exact
 // (every term is a multiple of 16), one instruction less a word than (w >> 4) & 0x0F.
-// Off until timed.
+// On since run 25 (with MVQ_Q4K_PRMT: Q4_K's loop 402 -> 322 instructions a row pair).
 #ifndef MVQ_HI16
-#define MVQ_HI16 0
+#define MVQ_HI16 1
 #endif
 // sum += hi nibbles of w . x (w: four bytes of two nibbles), as (w >> 4) & 0x0F0F0F0F
 // would give; with MVQ_HI16 into a sum of 16 times that, which hi_sum() turns back
@@ -174,9 +186,9 @@ __device__ __forceinline__ int hi_sum(int sum) { return MVQ_HI16 ? sum >> 4 : su
 // differs between lanes, so the branches of scale_min2 diverge and a warp runs both (~17
 // issue slots a chunk, by cuobjdump). Here two byte permutes gather the bytes that either
 // case needs and lane-constant masks keep what each case keeps: the same bytes (an integer
-// function; checked against scale_min2 for all g on random words). Off until timed.
+// function; checked against scale_min2 for all g on random words). On since run 25.
 #ifndef MVQ_Q4K_PRMT
-#define MVQ_Q4K_PRMT 0
+#define MVQ_Q4K_PRMT 1
 #endif
 // g of every chunk a lane takes, CPB chunks a block: every caller gives lane l the chunks
 // c = l + 32 i (c0 = lane in row_dot2, units of 32 or 64 chunks in the shared-memory path),
@@ -202,13 +214,10 @@ struct QD {  // d, qs[32]: a chunk is half a block (16 codes)
         uint4 q;
         u32 d;
     };
-    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
-        return f.p1 + 32 * b + 16 * cc;
-    }
-    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
+    __device__ static __forceinline__ Raw load(const Fields& f, u32 gc) {
         Raw r;
-        r.q = ld_u128(code_ptr(f, b, cc));
-        r.d = ld_u16(f.p0 + 2 * b);
+        r.q = ld_u128(at(f.p1, gc, 16));
+        r.d = ld_u16(at(f.p0, gc / CPB, 2));
         return r;
     }
     // chunk c of a row: block c / 2 of the row, half c % 2
@@ -232,22 +241,16 @@ struct QD {
         u32 qh;
         u32 d;
     };
-    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
-#if defined(QTYPE_Q4_0)
-        return f.p1 + 16 * b;
-#else
-        return f.p2 + 16 * b;
-#endif
-    }
-    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
+    __device__ static __forceinline__ Raw load(const Fields& f, u32 gc) {  // gc: the block
         Raw r;
-        r.q = ld_u128(code_ptr(f, b, cc));
 #if defined(QTYPE_Q4_0)
+        r.q = ld_u128(at(f.p1, gc, 16));
         r.qh = 0;
 #else
-        r.qh = ld_u32(f.p1 + 4 * b);
+        r.q = ld_u128(at(f.p2, gc, 16));
+        r.qh = ld_u32(at(f.p1, gc, 4));
 #endif
-        r.d = ld_u16(f.p0 + 2 * b);
+        r.d = ld_u16(at(f.p0, gc, 2));
         return r;
     }
     __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
@@ -295,20 +298,14 @@ struct QD {
         uint4 qa, qb;
         u32 dm, s0, s1, s2;
     };
-    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
-        return f.p2 + 128 * b + 32 * cc;
-    }
     template <bool G = true>
-    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
+    __device__ static __forceinline__ Raw load(const Fields& f, u32 gc) {
         Raw r;
-        const u8* p = code_ptr(f, b, cc);
+        const u8* p = at(f.p1, gc, 32);  // qs[32 g ..] of block gc / 4 (g = gc % 4)
         r.qa = lw128<G>(p);
         r.qb = lw128<G>(p + 16);
-        r.dm = lw32<G>(f.p0 + 4 * b);
-        const u8* sp = f.p1 + 12 * b;
-        r.s0 = lw32<G>(sp);
-        r.s1 = lw32<G>(sp + 4);
-        r.s2 = lw32<G>(sp + 8);
+        const uint4 hd = lw128<G>(at(f.p0, gc / CPB, 16));  // (d, dmin), scales[12]
+        r.dm = hd.x, r.s0 = hd.y, r.s1 = hd.z, r.s2 = hd.w;
         return r;
     }
     __device__ static __forceinline__ u32 half12(u32 s0, u32 s1, u32 s2, int i) {
@@ -361,17 +358,11 @@ struct QD {
         uint4 q;
         u32 dm, s0, s1, s2;
     };
-    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
-        return f.p2 + 128 * b + 16 * cc;
-    }
-    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
+    __device__ static __forceinline__ Raw load(const Fields& f, u32 gc) {
         Raw r;
-        r.q = ld_u128(code_ptr(f, b, cc));
-        r.dm = ld_u32(f.p0 + 4 * b);
-        const u8* sp = f.p1 + 12 * b;
-        r.s0 = ld_u32(sp);
-        r.s1 = ld_u32(sp + 4);
-        r.s2 = ld_u32(sp + 8);
+        r.q = ld_u128(at(f.p1, gc, 16));  // qs[16 cc ..] of block gc / 8 (cc = gc % 8)
+        const uint4 hd = ld_u128(at(f.p0, gc / CPB, 16));  // (d, dmin), scales[12]
+        r.dm = hd.x, r.s0 = hd.y, r.s1 = hd.z, r.s2 = hd.w;
         return r;
     }
     // 16 bits i (0..5) of the 12 scale bytes s0, s1, s2
@@ -426,20 +417,19 @@ struct QD {
         uint4 l0, l1, qh;
         u32 sa, sb, d;
     };
-    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int u) {
-        return f.p0 + 128 * b + 64 * (u >> 1) + 16 * (u & 1);
-    }
     template <bool G = true>
-    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int u) {
+    __device__ static __forceinline__ Raw load(const Fields& f, u32 gc) {
+        const u32 b = gc / CPB;
+        const int u = (int)(gc % CPB);
         int hh = u >> 1, p = u & 1;
         Raw r;
-        const u8* lp = code_ptr(f, b, u);
+        const u8* lp = at(f.p0, b, 128) + 64 * hh + 16 * p;
         r.l0 = lw128<G>(lp);
         r.l1 = lw128<G>(lp + 32);
-        r.qh = lw128<G>(f.p1 + 64 * b + 32 * hh + 16 * p);
-        r.sa = lw32<G>(f.p2 + 16 * b + 8 * hh);  // scales 8 hh .. 8 hh + 3
-        r.sb = lw32<G>(f.p2 + 16 * b + 8 * hh + 4);  // scales 8 hh + 4 .. 8 hh + 7
-        r.d = lw16<G>(f.p3 + 2 * b);
+        r.qh = lw128<G>(at(f.p1, gc, 16));  // 64 b + 32 hh + 16 p
+        const uint2 s8 = lw64<G>(at(f.p2, b, 16) + 8 * hh);  // scales 8 hh .. 8 hh + 7
+        r.sa = s8.x, r.sb = s8.y;
+        r.d = lw16<G>(at(f.p3, b, 2));
         return r;
     }
     __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
@@ -484,17 +474,16 @@ struct QD {
         uint4 ql, qh;
         u32 sa, sb, d;
     };
-    __device__ static __forceinline__ const u8* code_ptr(const Fields& f, i64 b, int cc) {
-        return f.p0 + 128 * b + 16 * cc;  // = 64 hh + 32 kk + 16 p
-    }
-    __device__ static __forceinline__ Raw load(const Fields& f, i64 b, int cc) {
+    __device__ static __forceinline__ Raw load(const Fields& f, u32 gc) {
+        const u32 b = gc / CPB;
+        const int cc = (int)(gc % CPB);
         int hh = cc >> 2, p = cc & 1;
         Raw r;
-        r.ql = ld_u128(code_ptr(f, b, cc));
-        r.qh = ld_u128(f.p1 + 64 * b + 32 * hh + 16 * p);
-        r.sa = ld_u32(f.p2 + 16 * b + 8 * hh);  // scales 8 hh .. 8 hh + 3
-        r.sb = ld_u32(f.p2 + 16 * b + 8 * hh + 4);  // scales 8 hh + 4 .. 8 hh + 7
-        r.d = ld_u16(f.p3 + 2 * b);
+        r.ql = ld_u128(at(f.p0, gc, 16));  // 128 b + 64 hh + 32 kk + 16 p
+        r.qh = ld_u128(at(f.p1, b, 64) + 32 * hh + 16 * p);
+        const uint2 s8 = ld_u64(at(f.p2, b, 16) + 8 * hh);  // scales 8 hh .. 8 hh + 7
+        r.sa = s8.x, r.sb = s8.y;
+        r.d = ld_u16(at(f.p3, b, 2));
         return r;
     }
     __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
@@ -602,20 +591,25 @@ __device__ __forceinline__ void cp_row(const Fields& f, i64 b, u8* dst, int lane
 #endif
 
 // One iteration of a row pair: the loads of chunks c0 + 32 u (u < UNROLL) of rows a and b
-// (b only with `two`), and their dots with the n rows of x.
+// (b only with `two`), and their dots with the n rows of x. ALL: the caller knows that
+// both rows are there and every chunk of every iteration is in range (cpr a multiple of
+// 32 UNROLL: the 4096- and 14336-wide rows of the 8B shape), so no lane tests either:
+// each test is a branch and a reconvergence point per chunk (~15% of the loop's issue
+// slots with Q4_K, by cuobjdump).
+template <bool ALL = false>
 __device__ __forceinline__ void load_iter(const Fields& fa, i64 ba, const Fields& fb, i64 bb,
                                           bool two, int cpr, int c0, QD::Raw* ra, QD::Raw* rb) {
 #pragma unroll
     for (int u = 0; u < QD::UNROLL; u++) {
         int c = c0 + 32 * u;
-        if (c < cpr) {
-            ra[u] = QD::load(fa, ba + c / QD::CPB, c % QD::CPB);
-            if (two) rb[u] = QD::load(fb, bb + c / QD::CPB, c % QD::CPB);
+        if (ALL || c < cpr) {
+            ra[u] = QD::load(fa, (u32)ba * QD::CPB + c);
+            if (ALL || two) rb[u] = QD::load(fb, (u32)bb * QD::CPB + c);
         }
     }
 }
 
-template <int NT>
+template <int NT, bool ALL = false>
 __device__ __forceinline__ void dot_iter(const QD::Raw* ra, const QD::Raw* rb, bool two, int cpr,
                                          int c0, XQ x0, int k, int n, float* acc_a,
                                          float* acc_b) {
@@ -623,13 +617,13 @@ __device__ __forceinline__ void dot_iter(const QD::Raw* ra, const QD::Raw* rb, b
 #pragma unroll
     for (int u = 0; u < QD::UNROLL; u++) {
         int c = c0 + 32 * u;
-        if (c < cpr) {
+        if (ALL || c < cpr) {
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 if (t < n) {
                     XQ xt = {x0.q + t * k, x0.d + t * nb32, x0.s + 2 * t * nb32};
                     acc_a[t] += QD::dot(ra[u], c, xt);
-                    if (two) acc_b[t] += QD::dot(rb[u], c, xt);
+                    if (ALL || two) acc_b[t] += QD::dot(rb[u], c, xt);
                 }
             }
         }
@@ -639,21 +633,22 @@ __device__ __forceinline__ void dot_iter(const QD::Raw* ra, const QD::Raw* rb, b
 // acc_a[t] += row a . x_t and, with `two`, acc_b[t] += row b . x_t over the cpr chunks of
 // the rows (this lane's share: chunks lane + 32 i). Both rows' loads are issued before
 // either is used, so that a warp has 2 * QD::UNROLL chunks per lane in flight. With PRE the
-// first iteration's chunks are already in pa, pb (load_iter at c0 = lane).
-template <int NT, bool PRE>
+// first iteration's chunks are already in pa, pb (load_iter at c0 = lane). ALL: as
+// load_iter's (the caller checks it: `two` and cpr a multiple of 32 QD::UNROLL).
+template <int NT, bool PRE, bool ALL>
 __device__ __forceinline__ void row_dot2(const Fields& fa, i64 ba, const Fields& fb, i64 bb,
                                          bool two, int cpr, int lane, XQ x0, int k, int n,
                                          float* acc_a, float* acc_b, const QD::Raw* pa,
                                          const QD::Raw* pb) {
     int c0 = lane;
     if constexpr (PRE) {
-        dot_iter<NT>(pa, pb, two, cpr, c0, x0, k, n, acc_a, acc_b);
+        dot_iter<NT, ALL>(pa, pb, two, cpr, c0, x0, k, n, acc_a, acc_b);
         c0 += 32 * QD::UNROLL;
     }
     for (; c0 < cpr; c0 += 32 * QD::UNROLL) {
         QD::Raw ra[QD::UNROLL], rb[QD::UNROLL];
-        load_iter(fa, ba, fb, bb, two, cpr, c0, ra, rb);
-        dot_iter<NT>(ra, rb, two, cpr, c0, x0, k, n, acc_a, acc_b);
+        load_iter<ALL>(fa, ba, fb, bb, two, cpr, c0, ra, rb);
+        dot_iter<NT, ALL>(ra, rb, two, cpr, c0, x0, k, n, acc_a, acc_b);
     }
 }
 
@@ -975,8 +970,13 @@ __device__ __forceinline__ void mvq_body(
         float acc_a[NT], acc_b[NT];
 #pragma unroll
         for (int t = 0; t < NT; t++) acc_a[t] = acc_b[t] = 0.f;
-        row_dot2<NT, decltype(pre)::value>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane,
-                                           x0, k, n, acc_a, acc_b, pa, pb);
+        if (jb.two && cpr % (32 * QD::UNROLL) == 0) {
+            row_dot2<NT, decltype(pre)::value, true>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, true, cpr,
+                                                     lane, x0, k, n, acc_a, acc_b, pa, pb);
+        } else {
+            row_dot2<NT, decltype(pre)::value, false>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two,
+                                                      cpr, lane, x0, k, n, acc_a, acc_b, pa, pb);
+        }
         finish(jb, acc_a, acc_b);
     };
 #if MVQ_CP_BUILT
@@ -1000,10 +1000,10 @@ __device__ __forceinline__ void mvq_body(
             for (int e = 0; e < CP_CPL; e++) {
                 const int cl = lane + 32 * e;  // the chunk in the unit, and in the row:
                 const int c = seg * (MVQ_CP_SEG * QD::CPB) + cl;
-                const QD::Raw ra = QD::load<false>(fa, cl / QD::CPB, cl % QD::CPB);
+                const QD::Raw ra = QD::load<false>(fa, (u32)cl);
                 acc_a[0] += QD::dot(ra, c, x0);
                 if (jb.two) {
-                    const QD::Raw rb = QD::load<false>(fb, cl / QD::CPB, cl % QD::CPB);
+                    const QD::Raw rb = QD::load<false>(fb, (u32)cl);
                     acc_b[0] += QD::dot(rb, c, x0);
                 }
             }

@@ -253,22 +253,22 @@ struct Q {  // hmask[32], qs[64], scales[12], d; w = d * (sc - 32) * (q - 4 * !h
     }
 };
 #elif defined(QTYPE_Q4_K) || defined(QTYPE_Q5_K)
-// (d, dmin), scales[12] (6-bit scales and mins), [Q5_K: qh[32]], qs[128];
-// sub-block j (= chunk) of 32: low nibbles of qs[32*(j/2) ...] for even j, high for odd.
+// (d, dmin) and scales[12] (6-bit scales and mins) as one 16-byte field, [Q5_K: qh[32]],
+// qs[128]; sub-block j (= chunk) of 32: low nibbles of qs[32*(j/2) ...] for even j, high
+// for odd.
 struct Q {
 #if defined(QTYPE_Q4_K)
-    static constexpr int BLOCK = 256, SZ0 = 4, SZ1 = 12, SZ2 = 128, SZ3 = 0;
+    static constexpr int BLOCK = 256, SZ0 = 16, SZ1 = 128, SZ2 = 0, SZ3 = 0;
 #else
-    static constexpr int BLOCK = 256, SZ0 = 4, SZ1 = 12, SZ2 = 32, SZ3 = 128;
+    static constexpr int BLOCK = 256, SZ0 = 16, SZ1 = 32, SZ2 = 128, SZ3 = 0;
 #endif
     static constexpr bool HAS_MIN = true;
     __device__ static __forceinline__ void qchunk(const Fields& f, i64 b, int c, float* q,
                                                   float* sc, float* mn) {
         int j = c;
-        u32 dm = ld_u32(f.p0 + 4 * b);
+        uint4 hd = ld_u128(f.p0 + 16 * b);
+        u32 dm = hd.x, s0 = hd.y, s1 = hd.z, s2 = hd.w;
         float d = h2f((u16)(dm & 0xFFFFu)), dmin = h2f((u16)(dm >> 16));
-        const u8* sp = f.p1 + 12 * b;
-        u32 s0 = ld_u32(sp), s1 = ld_u32(sp + 4), s2 = ld_u32(sp + 8);
         u32 s, m;
         if (j < 4) {
             s = byte12(s0, s1, s2, j) & 63u;
@@ -281,10 +281,10 @@ struct Q {
         mn[0] = mn[1] = __fmul_rn(dmin, u2f(m));
         int shift = 4 * (j & 1);
 #if defined(QTYPE_Q4_K)
-        const u8* qp = f.p2 + 128 * b + 32 * (j >> 1);
+        const u8* qp = f.p1 + 128 * b + 32 * (j >> 1);
 #else
-        const u8* qp = f.p3 + 128 * b + 32 * (j >> 1);
-        const u8* hp = f.p2 + 32 * b;
+        const u8* qp = f.p2 + 128 * b + 32 * (j >> 1);
+        const u8* hp = f.p1 + 32 * b;
 #endif
 #pragma unroll
         for (int i = 0; i < 2; i++) {
