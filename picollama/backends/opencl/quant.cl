@@ -208,20 +208,20 @@ inline void deq32(FIELD_ARGS, i64 b, int c, float8* w) {
 }
 
 #elif defined(QTYPE_Q4_K) || defined(QTYPE_Q5_K)
-#if defined(QTYPE_Q4_K) && !CHECK_LAYOUT(256, 4, 12, 128, 0)
+#if defined(QTYPE_Q4_K) && !CHECK_LAYOUT(256, 16, 128, 0, 0)
 #error "quant.cl and layout.py disagree on Q4_K"
 #endif
-#if defined(QTYPE_Q5_K) && !CHECK_LAYOUT(256, 4, 12, 32, 128)
+#if defined(QTYPE_Q5_K) && !CHECK_LAYOUT(256, 16, 32, 128, 0)
 #error "quant.cl and layout.py disagree on Q5_K"
 #endif
-// (d, dmin) | scales[12] (6-bit scales and mins) | [Q5_K: qh[32]] | qs[128]; chunk j:
-// low nibbles of qs[32(j/2) + l] for even j, high for odd (Q5_K: bit j of qh[l] is bit 4);
-// w = d * sc * q - dmin * m
+// (d, dmin) and scales[12] (6-bit scales and mins) as one 16-byte field | [Q5_K: qh[32]] |
+// qs[128]; chunk j: low nibbles of qs[32(j/2) + l] for even j, high for odd (Q5_K: bit j
+// of qh[l] is bit 4); w = d * sc * q - dmin * m
 inline void deq32(FIELD_ARGS, i64 b, int c, float8* w) {
     int j = c;
-    float d = vload_half(2 * b, (__global const half*)p0);
-    float dmin = vload_half(2 * b + 1, (__global const half*)p0);
-    __global const u32* sp = (__global const u32*)(p1 + 12 * b);
+    float d = vload_half(8 * b, (__global const half*)p0);
+    float dmin = vload_half(8 * b + 1, (__global const half*)p0);
+    __global const u32* sp = (__global const u32*)(p0 + 16 * b + 4);
     u32 s0 = sp[0], s1 = sp[1], s2 = sp[2];
     u32 s, m;
     if (j < 4) {
@@ -235,10 +235,10 @@ inline void deq32(FIELD_ARGS, i64 b, int c, float8* w) {
     float mn = dmin * (float)m;
     u32 shift = 4 * (j & 1);
 #if defined(QTYPE_Q4_K)
-    __global const u8* qp = p2 + 128 * b + 32 * (j >> 1);
+    __global const u8* qp = p1 + 128 * b + 32 * (j >> 1);
 #else
-    __global const u8* qp = p3 + 128 * b + 32 * (j >> 1);
-    __global const u8* hp = p2 + 32 * b;
+    __global const u8* qp = p2 + 128 * b + 32 * (j >> 1);
+    __global const u8* hp = p1 + 32 * b;
 #endif
     for (int i = 0; i < 2; i++) {
         uint4 q = (LD4(qp + 16 * i) >> shift) & 0x0F0F0F0Fu;
