@@ -149,6 +149,13 @@ def _weight_magnitude(raw: np.ndarray, qtype: GGMLType, m: int, k: int) -> np.nd
     return a
 
 
+def _mixed_runs(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """float32 activations (n, k) whose runs of 32 have different sizes, so that their
+    int8 scales differ."""
+    x = rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, size=(n, k // 32)).repeat(32, 1)
+    return x.astype(np.float32)
+
+
 def _int8_bound(x: np.ndarray, W64: np.ndarray, A: np.ndarray) -> np.ndarray:
     """The int8-activation error bound of the module doc, per output (n, m)."""
     n, k = x.shape
@@ -179,9 +186,7 @@ def test_get_rows_and_matmul_every_type(be, be_exact, qtype, arithmetic):
     W64 = W.astype(np.float64)
     A = _weight_magnitude(raw, qtype, m, k)
     for n in (1, 2, 3, 4, 8, 9, 37):  # matvec up to 8 rows, tiles + cuBLAS above
-        # activations of mixed sizes, so that the runs of 32 get different scales
-        x = rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, size=(n, k // 32)).repeat(32, 1)
-        x = x.astype(np.float32)
+        x = _mixed_runs(rng, n, k)
         y = backend.to_host(backend.matmul(backend.from_host(x), wt))
         ref = x.astype(np.float64) @ W64.T
         int8 = arithmetic == "ggml" and qtype in layout.Q8DOT_TYPES and n <= MV_MAX_TOKENS
@@ -371,8 +376,7 @@ def test_int8_matvec_whole_iterations(be, qtype):
     A = _weight_magnitude(raw, qtype, m, k)
     wt = be.weight("w", qtype, (k, m), raw)
     for n in (1, 3):
-        x = rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, size=(n, k // 32)).repeat(32, 1)
-        x = x.astype(np.float32)
+        x = _mixed_runs(rng, n, k)
         y = be.to_host(be.matmul(be.from_host(x), wt))
         err = np.abs(y - x.astype(np.float64) @ W64.T)
         bound = _int8_bound(x, W64, A)
@@ -412,8 +416,7 @@ def test_int8_matvec_wide_x(be, qtype, monkeypatch):
     raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
     W64 = dequantize(raw, qtype).reshape(m, k).astype(np.float64)
     wt = be.weight("w", qtype, (k, m), raw)
-    x = rng.standard_normal((1, k)) * rng.uniform(0.1, 3.0, size=(1, k // 32)).repeat(32, 1)
-    x = x.astype(np.float32)
+    x = _mixed_runs(rng, 1, k)
     xd = be.from_host(x)
     norm_w = be.from_host(rng.uniform(0.5, 1.5, k).astype(np.float32))
 

@@ -966,17 +966,19 @@ __device__ __forceinline__ void mvq_body(
             }
         }
     };
+    // a row's chunks are whole iterations (row_dot2's ALL, with both rows of a job)
+    const bool whole = cpr % (32 * QD::UNROLL) == 0;
     auto run_job = [&](const Job& jb, auto pre) {
         float acc_a[NT], acc_b[NT];
 #pragma unroll
         for (int t = 0; t < NT; t++) acc_a[t] = acc_b[t] = 0.f;
-        if (jb.two && cpr % (32 * QD::UNROLL) == 0) {
-            row_dot2<NT, decltype(pre)::value, true>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, true, cpr,
-                                                     lane, x0, k, n, acc_a, acc_b, pa, pb);
-        } else {
-            row_dot2<NT, decltype(pre)::value, false>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two,
-                                                      cpr, lane, x0, k, n, acc_a, acc_b, pa, pb);
-        }
+        auto dots = [&](auto all) {
+            row_dot2<NT, decltype(pre)::value, decltype(all)::value>(
+                jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, x0, k, n, acc_a, acc_b, pa,
+                pb);
+        };
+        if (whole && jb.two) dots(BoolC<true>{});
+        else dots(BoolC<false>{});
         finish(jb, acc_a, acc_b);
     };
 #if MVQ_CP_BUILT
