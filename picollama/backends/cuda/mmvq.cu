@@ -19,7 +19,8 @@
 //
 // Rows. A warp takes two rows at a time (row and row + the grid's warp count, or a gate row
 // and its up row); each lane loads U chunks of both rows before it uses any, so that
-// 2 * 32 * U * 16 bytes (more with Q6_K's high bits) per warp are in flight. One launch can cover the rows of up to three weights of the
+// 2 * 32 * U * 16 bytes (more with Q6_K's high bits) per warp are in flight; with MVQ_PIPE
+// (below) the next such unit's loads go out before this one is multiplied. One launch can cover the rows of up to three weights of the
 // same type and width that share x (Q, K and V), or, with `act`, the rows of a gate and an
 // up weight, writing act(gate . x) * (up . x) (the SwiGLU / GeGLU of the feed-forward).
 
@@ -58,8 +59,20 @@
 #ifndef MVQ_SMALL_WARPS
 #define MVQ_SMALL_WARPS MVQ_WARPS
 #endif
+// MVQ_PIPE (one token, with MVQ_PRELOAD): the loads of a warp's next unit (row pair and
+// iteration) go out before the current one is multiplied (mvq_body). On for the 32-weight
+// types with units of 2 blocks (the 135M's Q5_0 and Q8_0 rows of 576: tg128 1353-1373 ->
+// 1527-1539 t/s on an H100, run 26); Q4_K's and Q6_K's units of two rows take twice their
+// registers (the 8B: 350 -> 310 t/s with it), so they keep the loop below.
+#ifndef MVQ_PIPE
+#if defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K)
+#define MVQ_PIPE 0
+#else
+#define MVQ_PIPE 1
+#endif
+#endif
 #ifndef MVQ_UNROLL
-#define MVQ_UNROLL 4
+#define MVQ_UNROLL (MVQ_PIPE ? 2 : 4)
 #endif
 #ifndef MVQ_UNROLL_Q6K
 #define MVQ_UNROLL_Q6K 3  // 4 would spill registers with two rows
@@ -1019,6 +1032,48 @@ __device__ __forceinline__ void mvq_body(
             }
         }
         cp_wait<0>();
+        pdl_trigger_at(2, pdl_at);
+        return;
+    }
+#endif
+#if MVQ_PIPE
+    // MVQ_PIPE: the warp's (job, iteration) units as one stream, each unit's loads issued
+    // before the unit ahead of it is multiplied, so that a lane always has a unit in flight
+    // (across jobs too: the 8B's 4096-wide rows are one unit a job). Two register sets,
+    // taken in turn (ping-pong, no copies); the first is the preload above.
+    if constexpr (NT == 1 && !CP) {
+        if (have_first) {
+            const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
+            QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];
+            int jc = row_first, it = 0;
+            float acc_a[1] = {0.f}, acc_b[1] = {0.f};
+            // multiply the unit (job jc, iteration it) in (ca, cb) after issuing the next
+            // one's loads into (na, nb); false when the warp has no unit left. (Jobs are
+            // located again where they are used, rather than kept live across units.)
+            auto step = [&](const QD::Raw* ca, const QD::Raw* cb, QD::Raw* na, QD::Raw* nb) {
+                int it_n = it + 1, j_n = jc;
+                if (it_n == n_it) it_n = 0, j_n = jc + job_step;
+                const bool more = j_n < n_jobs;
+                if (more) {
+                    const Job jn = job_at(j_n);
+                    const int c_n = lane + 32 * QD::UNROLL * it_n;
+                    if (whole && jn.two) load_iter<true>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, true, cpr, c_n, na, nb);
+                    else load_iter<false>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, jn.two, cpr, c_n, na, nb);
+                }
+                const Job jb = job_at(jc);
+                const int c = lane + 32 * QD::UNROLL * it;
+                if (whole && jb.two) dot_iter<1, true>(ca, cb, true, cpr, c, x0, k, n, acc_a, acc_b);
+                else dot_iter<1, false>(ca, cb, jb.two, cpr, c, x0, k, n, acc_a, acc_b);
+                if (it == n_it - 1) {
+                    finish(jb, acc_a, acc_b);
+                    acc_a[0] = acc_b[0] = 0.f;
+                }
+                it = it_n, jc = j_n;
+                return more;
+            };
+            while (step(pa, pb, qa, qb) && step(qa, qb, pa, pb)) {
+            }
+        }
         pdl_trigger_at(2, pdl_at);
         return;
     }
