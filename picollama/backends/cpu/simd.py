@@ -186,6 +186,14 @@ class _Ops:
     def mul_sum_i8_pairs_float(self, x, y):
         return self.mul_sum_us8_pairs_float(self.sign(x, x), self.sign(y, x))
 
+    def dpbusd8(self, acc, ax, sy):
+        """vpdpbusd (VNNI only): ``acc`` <8 x i32> plus, per 32-bit lane, the sum of its
+        four u8 * s8 products, exactly."""
+        v8 = _vec(I32, 8)
+        fn = self._intrinsic("llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8])
+        b = self.b
+        return b.call(fn, [acc, b.bitcast(ax, v8), b.bitcast(sy, v8)])
+
     def dot_us8_512(self, ax, sy, init=None):
         """Sums of four adjacent u8 * s8 products, 64 bytes to 16 int32 lanes (AVX-512):
         vpdpbusd with VNNI, else pmaddubsw and pmaddwd by ones (the same sums where no
