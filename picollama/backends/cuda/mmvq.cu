@@ -1040,8 +1040,9 @@ __device__ __forceinline__ void mvq_body(
     // MVQ_PIPE: the warp's (job, iteration) units as one stream, each unit's loads issued
     // before the unit ahead of it is multiplied, so that a lane always has a unit in flight
     // (across jobs too: the 8B's 4096-wide rows are one unit a job). Two register sets,
-    // taken in turn (ping-pong, no copies); the first is the preload above.
-    if constexpr (NT == 1 && !CP) {
+    // taken in turn (ping-pong, no copies); the first is the preload above (so not without
+    // MVQ_PRELOAD, whose build takes the loop below).
+    if constexpr (NT == 1 && !CP && MVQ_PRELOAD) {
         if (have_first) {
             const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
             QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];
