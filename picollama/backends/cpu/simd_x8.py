@@ -61,7 +61,9 @@ activation block's sum of quants, exact in float32, is added to the block's sum)
 integer sums are the same (no pair of products here reaches 16-bit saturation), so are
 the bits (the ISA tests compare them with the AVX2 build's): 8 activation rows by
 SmolLM2's 1536 x 576 Q4_1 on one thread 77-86 -> 98-107 GMAC/s, its 49152 x 576 Q8_0
-output matrix 46-57 -> 78-108.
+output matrix 46-57 -> 78-108. (With one or two activation rows, Q8_0's products of a
+block start from zero and are added, rather than chained through eight dependent
+``vpdpbusd``.)
 """
 
 from __future__ import annotations
@@ -530,7 +532,11 @@ def _q8_0_block(b, o, w, base, dw, xq, sq, xd, sd, xs, i, accs, splat_i32, splat
             for r in range(len(accs)):
                 at = b.add(q0, b.add(c64(32 * r + 4 * e), b.mul(p, c64(8))))
                 if HAS_VNNI:
-                    sums[r] = o.dpbusd8(sums[r], u, splat_i32(xq, at))
+                    y = splat_i32(xq, at)
+                    if len(accs) > 2:
+                        sums[r] = o.dpbusd8(sums[r], u, y)
+                    else:  # few rows: no chain of dependent vpdpbusd through the block
+                        sums[r] = b.add(sums[r], o.dpbusd8(_splat(I32, 8, 0), u, y))
                     continue
                 y = o.sign(splat_i32(xq, at), v)
                 sums[r] = b.add(sums[r], o.maddwd(o.maddubs(ax, y), ones16))
