@@ -423,8 +423,8 @@ def _define_x8(module: ir.Module, qtype: GGMLType, n_rows: int) -> ir.Function:
         for r in range(n_rows):
             at = b.add(q0, c64(32 * r))
             if HAS_VNNI:  # vpdpbusd: 4 products a lane summed into 32 bits, exactly
-                isum = _dot_chains(b, o, [(u, splat_i32(xq, b.add(at, c64(off)))) for u, off in nib])
-                isum = b.sitofp(isum, v8f)
+                pairs = [(u, splat_i32(xq, b.add(at, c64(off)))) for u, off in nib]
+                isum = b.sitofp(_dot_chains(b, o, pairs), v8f)
                 new.append(_finish_row(b, o, qtype, isum, dw, mw, xd, xs, d0, r, accs, splat_f32))
                 continue
             parts = [o.maddubs(u, splat_i32(xq, b.add(at, c64(off)))) for u, off in nib]
