@@ -61,9 +61,10 @@
 #endif
 // MVQ_PIPE (one token, with MVQ_PRELOAD): the loads of a warp's next unit (row pair and
 // iteration) go out before the current one is multiplied (mvq_body). On for the 32-weight
-// types with units of 2 blocks (the 135M's Q5_0 and Q8_0 rows of 576: tg128 1353-1373 ->
-// 1527-1539 t/s on an H100, run 26); Q4_K's and Q6_K's units of two rows take twice their
-// registers (the 8B: 350 -> 310 t/s with it), so they keep the loop below.
+// types with units of 2 blocks (the 135M, whose rows of 576 are Q5_0 and Q8_0: tg128
+// 1353-1373 -> 1527-1539 t/s on an H100 with it on for every type, run 26); Q4_K's and
+// Q6_K's units of two rows take twice their registers (the 8B: 350 -> 310 t/s with it),
+// so they keep the loop below.
 #ifndef MVQ_PIPE
 #if defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K)
 #define MVQ_PIPE 0
