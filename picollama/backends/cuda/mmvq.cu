@@ -65,9 +65,19 @@
 // 1353-1373 -> 1527-1539 t/s on an H100 with it on for every type, run 26); Q4_K's and
 // Q6_K's units of two rows take twice their registers (the 8B: 350 -> 310 t/s with it),
 // so they keep the loop below.
+// MVQ_PIPE_Q4K / MVQ_PIPE_Q6K turn it on for one of those types alone (Q4_K's pairs then
+// one chunk a unit: run 26's first call had the 8B at a tie with Q4_K and Q6_K so built).
+#ifndef MVQ_PIPE_Q4K
+#define MVQ_PIPE_Q4K 0
+#endif
+#ifndef MVQ_PIPE_Q6K
+#define MVQ_PIPE_Q6K 0
+#endif
 #ifndef MVQ_PIPE
-#if defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K)
-#define MVQ_PIPE 0
+#if defined(QTYPE_Q4_K)
+#define MVQ_PIPE MVQ_PIPE_Q4K
+#elif defined(QTYPE_Q6_K)
+#define MVQ_PIPE MVQ_PIPE_Q6K
 #else
 #define MVQ_PIPE 1
 #endif
@@ -82,7 +92,7 @@
 #define MVQ_Q4K_PAIR 0  // Q4_K: chunks of 32 bytes (two of 16 sharing their scales)
 #endif
 #ifndef MVQ_UNROLL_Q4K_PAIR
-#define MVQ_UNROLL_Q4K_PAIR 2
+#define MVQ_UNROLL_Q4K_PAIR (MVQ_PIPE ? 1 : 2)
 #endif
 #ifndef MVQ_Q6K_PAIR
 #define MVQ_Q6K_PAIR 0  // Q6_K: chunks of two ql runs that share their qh bytes
