@@ -176,11 +176,7 @@ class _Ops:
 
     def mul_sum_us8_pairs_float(self, ax, sy):
         if HAS_VNNI:
-            b = self.b
-            v8 = _vec(I32, 8)
-            fn = self._intrinsic("llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8])
-            dot = b.call(fn, [_splat(I32, 8, 0), b.bitcast(ax, v8), b.bitcast(sy, v8)])
-            return b.sitofp(dot, _vec(F32, 8))
+            return self.b.sitofp(self.dpbusd8(_splat(I32, 8, 0), ax, sy), _vec(F32, 8))
         return self.sum_i16_pairs_float(self.maddubs(ax, sy))
 
     def mul_sum_i8_pairs_float(self, x, y):

@@ -992,17 +992,20 @@ __device__ __forceinline__ void mvq_body(
     };
     // a row's chunks are whole iterations (row_dot2's ALL, with both rows of a job)
     const bool whole = cpr % (32 * QD::UNROLL) == 0;
+    // f(BoolC<ALL>) for job jb: ALL where both its rows are there and whole iterations
+    auto with_all = [&](const Job& jb, auto f) {
+        if (whole && jb.two) f(BoolC<true>{});
+        else f(BoolC<false>{});
+    };
     auto run_job = [&](const Job& jb, auto pre) {
         float acc_a[NT], acc_b[NT];
 #pragma unroll
         for (int t = 0; t < NT; t++) acc_a[t] = acc_b[t] = 0.f;
-        auto dots = [&](auto all) {
+        with_all(jb, [&](auto all) {
             row_dot2<NT, decltype(pre)::value, decltype(all)::value>(
                 jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, x0, k, n, acc_a, acc_b, pa,
                 pb);
-        };
-        if (whole && jb.two) dots(BoolC<true>{});
-        else dots(BoolC<false>{});
+        });
         finish(jb, acc_a, acc_b);
     };
 #if MVQ_CP_BUILT
@@ -1069,13 +1072,16 @@ __device__ __forceinline__ void mvq_body(
                 if (more) {
                     const Job jn = job_at(j_n);
                     const int c_n = lane + 32 * QD::UNROLL * it_n;
-                    if (whole && jn.two) load_iter<true>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, true, cpr, c_n, na, nb);
-                    else load_iter<false>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, jn.two, cpr, c_n, na, nb);
+                    with_all(jn, [&](auto all) {
+                        load_iter<decltype(all)::value>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, jn.two,
+                                                        cpr, c_n, na, nb);
+                    });
                 }
                 const Job jb = job_at(jc);
                 const int c = lane + 32 * QD::UNROLL * it;
-                if (whole && jb.two) dot_iter<1, true>(ca, cb, true, cpr, c, x0, k, n, acc_a, acc_b);
-                else dot_iter<1, false>(ca, cb, jb.two, cpr, c, x0, k, n, acc_a, acc_b);
+                with_all(jb, [&](auto all) {
+                    dot_iter<1, decltype(all)::value>(ca, cb, jb.two, cpr, c, x0, k, n, acc_a, acc_b);
+                });
                 if (it == n_it - 1) {
                     finish(jb, acc_a, acc_b);
                     acc_a[0] = acc_b[0] = 0.f;
