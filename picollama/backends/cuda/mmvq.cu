@@ -60,18 +60,18 @@
 #define MVQ_SMALL_WARPS MVQ_WARPS
 #endif
 // MVQ_PIPE (one token, with MVQ_PRELOAD): the loads of a warp's next unit (row pair and
-// iteration) go out before the current one is multiplied (mvq_body). On for the 32-weight
-// types with units of 2 blocks (the 135M, whose rows of 576 are Q5_0 and Q8_0: tg128
-// 1353-1373 -> 1527-1539 t/s on an H100 with it on for every type, run 26); Q4_K's and
-// Q6_K's units of two rows take twice their registers (the 8B: 350 -> 310 t/s with it),
-// so they keep the loop below.
-// MVQ_PIPE_Q4K / MVQ_PIPE_Q6K turn it on for one of those types alone (Q4_K's pairs then
-// one chunk a unit: run 26's first call had the 8B at a tie with Q4_K and Q6_K so built).
+// iteration) go out before the current one is multiplied (mvq_body). On for every type:
+// the 32-weight types with units of 2 blocks (the 135M, whose rows of 576 are Q5_0 and
+// Q8_0: tg128 1353-1373 -> 1527-1539 t/s on an H100, run 26), Q4_K's pairs one chunk a
+// unit and Q6_K's pairs as they are, each job located again per unit (no spills: 117-123
+// registers, sm_90). The 8B on an H100, one lease (run 27): 343.6 / 343.7 t/s without
+// the pipe for Q4_K and Q6_K, 349.3 with it for Q4_K alone, 342.7 for Q6_K alone, 356.2
+// for both. MVQ_PIPE_Q4K=0 / MVQ_PIPE_Q6K=0 build those types without it (comparisons).
 #ifndef MVQ_PIPE_Q4K
-#define MVQ_PIPE_Q4K 0
+#define MVQ_PIPE_Q4K 1
 #endif
 #ifndef MVQ_PIPE_Q6K
-#define MVQ_PIPE_Q6K 0
+#define MVQ_PIPE_Q6K 1
 #endif
 #ifndef MVQ_PIPE
 #if defined(QTYPE_Q4_K)
