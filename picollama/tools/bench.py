@@ -68,33 +68,50 @@ def _fmt_size(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
-def _run_pp(ctx, n: int, rng) -> float:
-    tokens = rng.integers(0, ctx.n_vocab, size=n).tolist()
+def _fill(ctx, depth: int, rng) -> None:
+    """An empty context, then ``depth`` random tokens in it (untimed): llama-bench's ``-d``."""
     ctx.reset()
+    if depth:
+        ctx.eval(rng.integers(0, ctx.n_vocab, size=depth).tolist())
+
+
+def _run_pp(ctx, n: int, rng, depth: int = 0) -> float:
+    tokens = rng.integers(0, ctx.n_vocab, size=n).tolist()
+    _fill(ctx, depth, rng)
     t0 = time.perf_counter()
     ctx.eval(tokens)
     return n / (time.perf_counter() - t0)
 
 
-def _run_tg(ctx, n: int, rng) -> float:
+def _run_tg(ctx, n: int, rng, depth: int = 0) -> float:
     tokens = rng.integers(0, ctx.n_vocab, size=n).tolist()
-    ctx.reset()
+    _fill(ctx, depth, rng)
     t0 = time.perf_counter()
     for tok in tokens:
         ctx.eval([tok])
     return n / (time.perf_counter() - t0)
 
 
-def _llama_bench(bin_dir: str, model: str, threads: int, pp: int, tg: int, reps: int) -> dict:
+def _test_name(kind: str, n: int, depth: int) -> str:
+    """llama-bench's name of a test: "tg128", "pp512 @ d1024"."""
+    return f"{kind}{n}" + (f" @ d{depth}" if depth else "")
+
+
+def _llama_bench(
+    bin_dir: str, model: str, threads: int, pp: int, tg: int, reps: int, depth: int = 0
+) -> dict:
     exe = os.path.join(bin_dir, "llama-bench")
     cmd = [exe, "-m", model, "-t", str(threads), "-r", str(reps), "-o", "json"]
     cmd += ["-p", str(pp), "-n", str(tg)]
+    if depth:
+        cmd += ["-d", str(depth)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed: {proc.stderr.strip()[-400:]}")
     results = {}
     for row in json.loads(proc.stdout):
-        name = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+        kind, n = ("pp", row["n_prompt"]) if row["n_prompt"] else ("tg", row["n_gen"])
+        name = _test_name(kind, n, row.get("n_depth", 0))
         results[name] = (row["avg_ts"], row["stddev_ts"])
     return results
 
@@ -104,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-m", "--model", default=None, help="GGUF file or built-in model name")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (0: skip)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (0: skip)")
+    p.add_argument(
+        "-d",
+        "--n-depth",
+        type=int,
+        default=0,
+        help="tokens already in the context before each test (llama-bench's -d; untimed)",
+    )
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-b", "--batch-size", type=int, default=512)
@@ -142,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     from picollama.errors import USER_ERRORS
     from picollama.generation import Context
 
+    if min(args.n_prompt, args.n_gen, args.n_depth) < 0:
+        print("picollama-bench: error: -p, -n and -d take counts >= 0", file=sys.stderr)
+        return 1
     try:
-        n_ctx = max(args.n_prompt, args.n_gen, 1)
+        n_ctx = max(args.n_prompt, args.n_gen, 1) + args.n_depth
         ctx = Context(
             args.model,
             n_ctx=n_ctx,
@@ -170,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     model_desc = f"{ctx.model.args.arch} {n_params / 1e6:.0f}M {main_type}"
     rng = np.random.default_rng(0)
 
+    depth = args.n_depth
     tests = []
     if args.n_prompt > 0:
-        tests.append((f"pp{args.n_prompt}", _run_pp, args.n_prompt))
+        tests.append((_test_name("pp", args.n_prompt, depth), _run_pp, args.n_prompt))
     if args.n_gen > 0:
-        tests.append((f"tg{args.n_gen}", _run_tg, args.n_gen))
+        tests.append((_test_name("tg", args.n_gen, depth), _run_tg, args.n_gen))
     # Beside llama-bench, the two alternate: each round runs every test of ours once, then
     # llama-bench once (-r 1), so a burst of load from elsewhere on a shared machine falls
     # on both sides alike; figures are medians over the rounds.
@@ -194,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
                 if round_ == 0:
                     fn(ctx, min(n, 16), rng)  # warm-up: compiles and touches the weights
                 runs = our_runs.setdefault(name + suffix, [])
-                runs.extend(fn(ctx, n, rng) for _ in range(per_round))
+                runs.extend(fn(ctx, n, rng, depth) for _ in range(per_round))
         ctx.model = base_model
         if vs:
             try:
                 got = _llama_bench(
-                    args.vs_llama_cpp, str(ctx.path), threads, args.n_prompt, args.n_gen, 1
+                    args.vs_llama_cpp, str(ctx.path), threads, args.n_prompt, args.n_gen, 1, depth
                 )
             except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as err:
                 print(f"picollama-bench: llama-bench did not run: {err}", file=sys.stderr)
@@ -218,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     # a GPU backend measures its own device memory (measure_bandwidth); the CPU a numpy copy
     device_bandwidth = getattr(ctx.backend, "measure_bandwidth", None)
     bandwidth = device_bandwidth() if device_bandwidth else measure_bandwidth()
-    # a decode step reads every weight once (the KV cache is small next to it here)
+    # a decode step reads every weight once (and with -d, a cache that may not be small)
     ceiling = bandwidth / weight_bytes
     header = "| model | size | params | backend | threads | test | t/s (median ± sd) |"
     sep = "| --- | ---: | ---: | --- | ---: | --- | ---: |"
