@@ -128,6 +128,36 @@ def test_stop_strings_release_false_alarm():
     assert s.flush() == ""
 
 
+def test_top_k_block_filter_keeps_every_winner():
+    """The first pass keeps only blocks of 64 whose maximum reaches the k-th largest
+    maximum: rows made to trip it (the k largest all in one block, ties at that threshold
+    spread over blocks, blocks of NaN and of -inf, a short last block, fewer numbers than
+    k) still give a stable sort's first k."""
+    from picollama.sampling.samplers import _top_k_indices
+
+    rng = np.random.default_rng(3)
+    n = 64 * 300 + 17
+    rows = []
+    one_block = rng.standard_normal(n).astype(np.float32)
+    one_block[640:704] += 50  # every winner in block 10
+    rows.append(one_block)
+    ties = np.round(rng.standard_normal(n), 0).astype(np.float32)  # few values, many ties
+    rows.append(ties)
+    holes = rng.standard_normal(n).astype(np.float32)
+    holes[: 64 * 200] = np.nan  # whole blocks of NaN
+    holes[64 * 250 : 64 * 260] = -np.inf
+    holes[-5:] = 40.0  # winners in the short last block
+    rows.append(holes)
+    sparse = np.full(n, np.nan, np.float32)
+    sparse[::997] = rng.standard_normal(len(sparse[::997]))  # 20 numbers for k = 40
+    rows.append(sparse)
+    for row in rows:
+        for k in (1, 40, 75):
+            finite = np.flatnonzero(~np.isnan(row))
+            order = finite[np.lexsort((finite, -row[finite]))]
+            assert np.array_equal(_top_k_indices(row, k), order[:k])
+
+
 @pytest.mark.parametrize("vocab", [50, 49152, 262144])
 def test_top_k_selection_equals_a_stable_sort(vocab):
     """The single-pass heap top-k (runs that can't enter the heap passed over): the k
