@@ -225,17 +225,18 @@ def _heap_top_k(logits, k, blocks, block):
     return res
 
 
-# logits a block of ``_top_k_indices``' first pass takes (its maximum: ``_max64``)
+# logits a block of ``_top_k_indices``' first pass takes (its maximum: ``_block_max``)
 _TOPK_BLOCK = 64
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _max64(logits, r0):
-    """The largest of ``logits[r0 : r0 + 64]``, NaN never winning (-inf if all are NaN):
-    eight running maxima in scalars, which LLVM packs into one vector max a step (a
-    running-maxima array in memory stays scalar)."""
+def _block_max(logits, r0, r1):
+    """The largest of ``logits[r0 : r1]``, NaN never winning (-inf if all are NaN): eight
+    running maxima in scalars, which LLVM packs into one vector max a step (a running-
+    maxima array in memory stays scalar), then the last few one by one."""
     m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.float32(-np.inf)
-    for t in range(r0, r0 + 64, 8):
+    end = r0 + (r1 - r0) // 8 * 8
+    for t in range(r0, end, 8):
         v = logits[t]
         m0 = v if v > m0 else m0
         v = logits[t + 1]
@@ -258,7 +259,10 @@ def _max64(logits, r0):
     d = m6 if m6 > m7 else m7
     a = a if a > b else b
     c = c if c > d else d
-    return a if a > c else c
+    m = a if a > c else c
+    for t in range(end, r1):
+        m = logits[t] if logits[t] > m else m
+    return m
 
 
 @numba.njit(cache=True, nogil=True)
@@ -280,17 +284,13 @@ def _top_k_indices(logits, k):
     if k <= 0 or n_blocks < 4 * k:
         return _heap_top_k(logits, k, np.arange(n_blocks), block)
     maxima = np.empty(n_blocks, np.float32)
-    for b in range(n_blocks):
-        r0 = b * block
-        if r0 + block <= n:
-            maxima[b] = _max64(logits, r0)
-        else:
-            m = np.float32(-np.inf)
-            for t in range(r0, n):
-                m = logits[t] if logits[t] > m else m
-            maxima[b] = m
+    # the whole blocks apart from the last: their known length unrolls the maximum's loop
+    # (one loop over all blocks with a min() bound ran at a third of the speed)
+    for b in range(n_blocks - 1):
+        maxima[b] = _block_max(logits, b * block, b * block + block)
+    maxima[-1] = _block_max(logits, (n_blocks - 1) * block, n)
     kth = np.partition(maxima, n_blocks - k)[n_blocks - k]
-    keep = np.empty(n_blocks, np.int64)
+    keep = np.empty(n_blocks, np.int64)  # (np.flatnonzero took longer than this loop)
     n_keep = 0
     for b in range(n_blocks):
         if maxima[b] >= kth:
