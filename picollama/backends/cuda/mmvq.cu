@@ -148,6 +148,17 @@
 #ifndef MVQ_CP_BLOCKS
 #define MVQ_CP_BLOCKS 1  // blocks per multiprocessor of a launch
 #endif
+// MVQ_CP_TMA (with MVQ_CP, sm_90 on): a stage is filled by the bulk-copy engine instead of
+// the lanes: lane 0 announces the stage's bytes to the stage's mbarrier and issues one
+// cp.async.bulk per field of each row (2 to 8 instructions a stage, against 4.5 cp.async a
+// lane and their addresses); the lanes wait on the mbarrier's phase. Same bytes in the same
+// places, so the same results. (Run 28: the register kernels stall on global loads, ~5.5
+// of their ~11 cycles an instruction, and the H200's decode has not moved since run 10
+// while the H100's has: more bytes in flight is the lever there, if the ring's copies cost
+// little to issue.)
+#ifndef MVQ_CP_TMA
+#define MVQ_CP_TMA 0
+#endif
 
 // one token's quantized x in shared memory
 struct XQ {
@@ -582,6 +593,56 @@ __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+#if MVQ_CP_TMA
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(p));
+    return s;
+}
+// an mbarrier of one arrival a phase (lane 0's, with the phase's byte count)
+__device__ __forceinline__ void bar_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void bar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+// until the phase of the given parity has completed (its bytes have landed)
+__device__ __forceinline__ void bar_wait(unsigned long long* bar, u32 parity) {
+    const u32 a = smem_u32(bar);
+    u32 done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(a), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(u8* dst, const u8* src, u32 bytes,
+                                          unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_u32(dst)),
+        "l"(src), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
+}
+// cp_row's bytes by the bulk-copy engine: each field's MVQ_CP_SEG blocks in one copy
+__device__ __forceinline__ void tma_row(const Fields& f, i64 b, u8* dst, unsigned long long* bar) {
+    bulk_copy(dst, f.p0 + LAYOUT_SZ0 * b, 16 * CP_P0, bar);
+    if (CP_P1) bulk_copy(dst + 16 * CP_P0, f.p1 + LAYOUT_SZ1 * b, 16 * CP_P1, bar);
+    if (CP_P2) bulk_copy(dst + 16 * (CP_P0 + CP_P1), f.p2 + LAYOUT_SZ2 * b, 16 * CP_P2, bar);
+    if (CP_P3) {
+        bulk_copy(dst + 16 * (CP_P0 + CP_P1 + CP_P2), f.p3 + LAYOUT_SZ3 * b, 16 * CP_P3, bar);
+    }
+}
+#endif
+
 // the fields of a row's unit in a stage
 __device__ __forceinline__ Fields cp_fields(const u8* st) {
     Fields f;
@@ -819,21 +880,44 @@ __device__ __forceinline__ void mvq_body(
                warp * (MVQ_CP_STAGES * CP_STAGE);
     const int upj = bpr / MVQ_CP_SEG;
     int iss_i = 0, iss_seg = 0;
-    auto issue = [&](u8* st) {
+#if MVQ_CP_TMA
+    // the warp's mbarriers, one a stage
+    __shared__ unsigned long long cp_bars[CP ? MVQ_CP_WARPS * MVQ_CP_STAGES : 1];
+    unsigned long long* bars = cp_bars + (CP ? warp * MVQ_CP_STAGES : 0);
+    if constexpr (CP) {
+        if (lane == 0) {
+            for (int st = 0; st < MVQ_CP_STAGES; st++) bar_init(bars + st);
+            bar_init_fence();
+        }
+        __syncwarp();
+    }
+#endif
+    auto issue = [&](int st) {
+        u8* dst = ring + st * CP_STAGE;
         const int j = row_first + iss_i * job_step;
         if (j < n_jobs) {
+#if MVQ_CP_TMA
+            if (lane == 0) {
+                const Job jb = job_at(j);
+                const i64 b = (i64)iss_seg * MVQ_CP_SEG;
+                bar_expect(bars + st, jb.two ? CP_STAGE : CP_ROW);
+                tma_row(jb.a.f, jb.a.b0 + b, dst, bars + st);
+                if (jb.two) tma_row(jb.b.f, jb.b.b0 + b, dst + CP_ROW, bars + st);
+            }
+#else
             Job jb = job_at(j);
             const i64 b = (i64)iss_seg * MVQ_CP_SEG;
-            cp_row(jb.a.f, jb.a.b0 + b, st, lane);
-            if (jb.two) cp_row(jb.b.f, jb.b.b0 + b, st + CP_ROW, lane);
+            cp_row(jb.a.f, jb.a.b0 + b, dst, lane);
+            if (jb.two) cp_row(jb.b.f, jb.b.b0 + b, dst + CP_ROW, lane);
+#endif
             if (++iss_seg == upj) iss_seg = 0, iss_i++;
         }
-        cp_commit();  // (empty past the warp's last unit: every lane counts the same groups)
+        if (!MVQ_CP_TMA) cp_commit();  // (empty past the warp's last unit: every lane counts the same groups)
     };
     if constexpr (CP) {
         // a ring-full of units before the wait: the weights are constant
 #pragma unroll
-        for (int st = 0; st < MVQ_CP_STAGES; st++) issue(ring + st * CP_STAGE);
+        for (int st = 0; st < MVQ_CP_STAGES; st++) issue(st);
     }
 #endif
     if constexpr (ROPE) {
@@ -1016,13 +1100,18 @@ __device__ __forceinline__ void mvq_body(
         Job jb;
         float acc_a[1] = {0.f}, acc_b[1] = {0.f};
         int seg = 0, st = 0;
+        u32 round = 0;  // times the ring has been gone through (MVQ_CP_TMA: the phase)
         for (int j = row_first; j < n_jobs;) {
             if (seg == 0) {
                 jb = job_at(j);
                 acc_a[0] = acc_b[0] = 0.f;
             }
+#if MVQ_CP_TMA
+            bar_wait(bars + st, round & 1);
+#else
             cp_wait<MVQ_CP_STAGES - 1>();
             __syncwarp();
+#endif
             u8* stage = ring + st * CP_STAGE;
             const Fields fa = cp_fields(stage), fb = cp_fields(stage + CP_ROW);
 #pragma unroll
@@ -1037,15 +1126,15 @@ __device__ __forceinline__ void mvq_body(
                 }
             }
             __syncwarp();
-            issue(stage);
-            st = st + 1 == MVQ_CP_STAGES ? 0 : st + 1;
+            issue(st);
+            if (++st == MVQ_CP_STAGES) st = 0, round++;
             if (++seg == upj) {
                 seg = 0;
                 finish(jb, acc_a, acc_b);
                 j += job_step;
             }
         }
-        cp_wait<0>();
+        if (!MVQ_CP_TMA) cp_wait<0>();
         pdl_trigger_at(2, pdl_at);
         return;
     }
