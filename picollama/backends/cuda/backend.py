@@ -98,7 +98,6 @@ log = logging.getLogger("picollama.cuda")
 MV_MAX_TOKENS = 8  # rows of x that take the fused matrix-vector kernel (quant.cu)
 _MV_WARPS = 8  # warps per block of the matvec kernel (quant.cu)
 _MVQ_WIDE_K = 8192  # one token, x at least this wide: matvec_q8_n1_wide (mmvq.cu)
-_CP_BLOCKS = 1  # blocks per SM of a matvec_q8_n1_cp launch: the next launch's fits beside
 _MVQ_ROPE_PAIRS = 128  # matvec_q8_n1_rope: rotated pairs per head at most (mmvq.cu, s_cs)
 _MV_PAD = 36  # floats of shared memory per chunk of 32 values of x (quant.cu)
 _MV_SMEM_LIMIT = 200 << 10  # bytes of x in shared memory; more rows go through cuBLAS
@@ -204,6 +203,7 @@ class _CpGeom:
     stages: int  # units in flight per warp
     stage_bytes: int  # shared memory of one stage (two rows' units)
     trigger: int  # where the kernels let the next launch in (common.cuh, pdl_trigger_at)
+    blocks: int  # blocks per SM of a launch (1: the next launch's block fits beside it)
 
 
 class _Launch:
@@ -646,7 +646,7 @@ class CUDABackend(Backend):
                             cp_kernel = None
                         if cp_kernel is not None:
                             geom = mod.get_global("mvq_cp_geom")
-                            values = cp.ndarray((5,), cp.int32, memptr=geom).get()
+                            values = cp.ndarray((6,), cp.int32, memptr=geom).get()
                             kernels.cp_geom = _CpGeom(*(int(v) for v in values))
                             kernels.matvec_q8_cp = cp_kernel
                             kernels.matvec_q8_rope_cp = mod.get_function("matvec_q8_n1_rope_cp")
@@ -1619,7 +1619,7 @@ class CUDABackend(Backend):
                 smem, warps = cp_smem, geom.warps
                 rows_per_block = warps * per_warp
                 threads = warps * 32
-                n_blocks = min(-(-rows // rows_per_block), self._n_sm * _CP_BLOCKS)
+                n_blocks = min(-(-rows // rows_per_block), self._n_sm * geom.blocks)
                 args.append(np.int32(geom.trigger))
                 if pdl is not None:
                     pdl.launch(kernel, (n_blocks,), (threads,), args, smem, pdl.stream)

@@ -146,7 +146,7 @@
 #define MVQ_CP_TRIGGER 1  // where these kernels let the next one launch (pdl_trigger_at)
 #endif
 #ifndef MVQ_CP_BLOCKS
-#define MVQ_CP_BLOCKS 1  // blocks per multiprocessor of a launch
+#define MVQ_CP_BLOCKS 1  // blocks per multiprocessor of a launch (2: two rings an SM)
 #endif
 // MVQ_CP_TMA (with MVQ_CP, sm_90 on): a stage is filled by the bulk-copy engine instead of
 // the lanes: lane 0 announces the stage's bytes to the stage's mbarrier and issues one
@@ -578,9 +578,9 @@ constexpr int CP_CPL = MVQ_CP_SEG * QD::CPB / 32;  // chunks of a row a lane tak
 static_assert(MVQ_CP_SEG * QD::CPB % 32 == 0, "a unit is whole chunks for every lane");
 
 // the geometry the backend sizes the launches by: warps, blocks a unit, stages, stage
-// bytes, trigger point
-extern "C" __device__ int mvq_cp_geom[5] = {MVQ_CP_WARPS, MVQ_CP_SEG, MVQ_CP_STAGES, CP_STAGE,
-                                            MVQ_CP_TRIGGER};
+// bytes, trigger point, blocks a multiprocessor
+extern "C" __device__ int mvq_cp_geom[6] = {MVQ_CP_WARPS, MVQ_CP_SEG,     MVQ_CP_STAGES,
+                                            CP_STAGE,     MVQ_CP_TRIGGER, MVQ_CP_BLOCKS};
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     u32 s;
