@@ -159,6 +159,17 @@
 #ifndef MVQ_CP_TMA
 #define MVQ_CP_TMA 0
 #endif
+// MVQ_QKV_SPLIT (one token, Q/K/V with RoPE, the pipe): the 8B's Q/K/V launch has 3072 RoPE
+// pairs for 2112 warps, so a third of the warps take two pairs (4 units) while the rest take
+// one (2): the launch lasts 4 units. With the option two warps of a block share each pair,
+// each taking half of the row's iterations (rows of an even number of whole iterations),
+// and the pairs go round the 1056 warp pairs: 3 units a warp at most. The odd warp hands its
+// sums to the even one through shared memory (a named barrier of the two warps), which adds
+// the halves, turns the pair and writes it. The halves' float sums are added in another
+// order than one warp's, so q, k and v move within float32 rounding (not bit for bit).
+#ifndef MVQ_QKV_SPLIT
+#define MVQ_QKV_SPLIT 0
+#endif
 
 // one token's quantized x in shared memory
 struct XQ {
@@ -829,6 +840,19 @@ __device__ __forceinline__ void mvq_body(
     const int pq = m0 >> 1, pk = m1 >> 1;
     const int n_jobs = ROPE ? pq + pk + (m2 >> 1) : m_rows;
     const int job_step = (ROPE || act) ? n_warps : 2 * n_warps;
+    // MVQ_QKV_SPLIT: warps 2 p and 2 p + 1 take jobs p, p + n_warps / 2, ..., the even one
+    // iterations [0, n_it / 2) of each, the odd one the rest. Else warp w jobs w, w + job_step,
+    // ..., all their iterations.
+#if MVQ_QKV_SPLIT
+    const int it_row = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);  // a row's iterations
+    const bool split = MVQ_PIPE && MVQ_PRELOAD && ROPE && NT == 1 && !CP && W % 2 == 0 &&
+                       cpr % (32 * QD::UNROLL) == 0 && it_row % 2 == 0;
+    const int j_first = split ? row_first >> 1 : row_first;
+    const int j_step = split ? job_step >> 1 : job_step;
+    const int it_lo = split ? (warp & 1) * (it_row >> 1) : 0;
+#else
+    const int j_first = row_first, j_step = job_step, it_lo = 0;
+#endif
     auto job_at = [&](int j) {
         Job jb;
         jb.rot = false;
@@ -868,10 +892,11 @@ __device__ __forceinline__ void mvq_body(
     // a warp, made both the 135M and the 8B shapes 4-6% slower: run 10.)
     QD::Raw pa[QD::UNROLL], pb[QD::UNROLL];
     // (one token only: with NT rows of x the registers would spill)
-    const bool have_first = MVQ_PRELOAD && NT == 1 && !CP && row_first < n_jobs;
+    const bool have_first = MVQ_PRELOAD && NT == 1 && !CP && j_first < n_jobs;
     if (have_first) {
-        Job jb = job_at(row_first);
-        load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
+        Job jb = job_at(j_first);
+        load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane + 32 * QD::UNROLL * it_lo,
+                  pa, pb);
     }
 #if MVQ_CP_BUILT
     // CP: the warp's ring of stages (after x's codes, scales and sums), and the next unit to
@@ -1024,26 +1049,29 @@ __device__ __forceinline__ void mvq_body(
     const int crow = ROPE ? *ra.start : 0;
     u16* const kc = ROPE ? *ra.kcs : nullptr;
     u16* const vc = ROPE ? *ra.vcs : nullptr;
+    // ROPE: a pair's two sums (lane 0's count) turned, written, and k and v into the caches
+    auto rope_out = [&](const Job& jb, float o0, float o1) {
+        if (lane == 0) {
+            if (jb.rot) {  // rope_head's arithmetic, pair i of the head
+                const int hd = ra.head_dim, i = jb.pair - (jb.pair / (hd >> 1)) * (hd >> 1);
+                const float2 cs = s_cs[i];
+                float x0v = o0, x1v = o1;
+                o0 = __fsub_rn(__fmul_rn(x0v, cs.x), __fmul_rn(x1v, cs.y));
+                o1 = __fadd_rn(__fmul_rn(x0v, cs.y), __fmul_rn(x1v, cs.x));
+            }
+            jb.a.y[jb.a.r] = o0;
+            jb.b.y[jb.b.r] = o1;
+            if (jb.a.slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
+                u16* c = jb.a.slot == 1 ? kc + (i64)crow * m1 : vc + (i64)crow * m2;
+                c[jb.a.r] = f2h(o0);
+                c[jb.b.r] = f2h(o1);
+            }
+        }
+    };
     // a job's sums over the warp's lanes, and their outputs
     auto finish = [&](const Job& jb, const float* acc_a, const float* acc_b) {
         if constexpr (ROPE) {
-            float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
-            if (lane == 0) {
-                if (jb.rot) {  // rope_head's arithmetic, pair i of the head
-                    const int hd = ra.head_dim, i = jb.pair - (jb.pair / (hd >> 1)) * (hd >> 1);
-                    const float2 cs = s_cs[i];
-                    float x0v = o0, x1v = o1;
-                    o0 = __fsub_rn(__fmul_rn(x0v, cs.x), __fmul_rn(x1v, cs.y));
-                    o1 = __fadd_rn(__fmul_rn(x0v, cs.y), __fmul_rn(x1v, cs.x));
-                }
-                jb.a.y[jb.a.r] = o0;
-                jb.b.y[jb.b.r] = o1;
-                if (jb.a.slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
-                    u16* c = jb.a.slot == 1 ? kc + (i64)crow * m1 : vc + (i64)crow * m2;
-                    c[jb.a.r] = f2h(o0);
-                    c[jb.b.r] = f2h(o1);
-                }
-            }
+            rope_out(jb, warp_sum(acc_a[0]), warp_sum(acc_b[0]));
         } else if (act) {
 #pragma unroll
             for (int t = 0; t < NT; t++) {
@@ -1148,15 +1176,37 @@ __device__ __forceinline__ void mvq_body(
     if constexpr (NT == 1 && !CP && MVQ_PRELOAD) {
         if (have_first) {
             const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
+#if MVQ_QKV_SPLIT
+            const int it_hi = split ? it_lo + (n_it >> 1) : n_it;
+#else
+            const int it_hi = n_it;
+#endif
             QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];
-            int jc = row_first, it = 0;
+            int jc = j_first, it = it_lo;
             float acc_a[1] = {0.f}, acc_b[1] = {0.f};
+#if MVQ_QKV_SPLIT
+            // the odd warp's sums of a pair for the even one, two slots a warp pair taken in
+            // turn (a slot is written again only after the barrier of the job after)
+            __shared__ float2 s_half[ROPE ? W : 1];
+            int n_done = 0;
+            auto finish_split = [&](const Job& jb) {
+                const float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
+                float2* slot = s_half + ((warp >> 1) << 1) + (n_done & 1);
+                if ((warp & 1) && lane == 0) *slot = make_float2(o0, o1);
+                asm volatile("bar.sync %0, 64;" ::"r"(1 + (warp >> 1)) : "memory");
+                if (!(warp & 1)) {
+                    const float2 h = *slot;
+                    rope_out(jb, __fadd_rn(o0, h.x), __fadd_rn(o1, h.y));
+                }
+                n_done++;
+            };
+#endif
             // multiply the unit (job jc, iteration it) in (ca, cb) after issuing the next
             // one's loads into (na, nb); false when the warp has no unit left. (Jobs are
             // located again where they are used, rather than kept live across units.)
             auto step = [&](const QD::Raw* ca, const QD::Raw* cb, QD::Raw* na, QD::Raw* nb) {
                 int it_n = it + 1, j_n = jc;
-                if (it_n == n_it) it_n = 0, j_n = jc + job_step;
+                if (it_n == it_hi) it_n = it_lo, j_n = jc + j_step;
                 const bool more = j_n < n_jobs;
                 if (more) {
                     const Job jn = job_at(j_n);
@@ -1171,8 +1221,13 @@ __device__ __forceinline__ void mvq_body(
                 with_all(jb, [&](auto all) {
                     dot_iter<1, decltype(all)::value>(ca, cb, jb.two, cpr, c, x0, k, n, acc_a, acc_b);
                 });
-                if (it == n_it - 1) {
+                if (it == it_hi - 1) {
+#if MVQ_QKV_SPLIT
+                    if (split) finish_split(jb);
+                    else finish(jb, acc_a, acc_b);
+#else
                     finish(jb, acc_a, acc_b);
+#endif
                     acc_a[0] = acc_b[0] = 0.f;
                 }
                 it = it_n, jc = j_n;
