@@ -30,8 +30,11 @@
 // 576-wide rows of small models prefer. The backend reads the block size back from the
 // kernel (max_threads_per_block).
 #if defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K)
+#ifndef MVQ_WARPS_K
+#define MVQ_WARPS_K 16  // (a build variant may take 12: see MVQ_PIPE3)
+#endif
 #ifndef MVQ_WARPS
-#define MVQ_WARPS 16
+#define MVQ_WARPS MVQ_WARPS_K
 #endif
 #ifndef MVQ_MIN_BLOCKS
 #define MVQ_MIN_BLOCKS 1
@@ -169,6 +172,16 @@
 // order than one warp's, so q, k and v move within float32 rounding (not bit for bit).
 #ifndef MVQ_QKV_SPLIT
 #define MVQ_QKV_SPLIT 0
+#endif
+// MVQ_PIPE3 (with MVQ_PIPE, one token): three register sets instead of two, so that a warp
+// has two units in flight while it multiplies a third: each step issues the loads of the
+// unit two ahead into the set its previous step emptied, and the first two units go out
+// before the wait. Q4_K's pair sets are 24 registers (Q6_K's 30), so 16-warp blocks (128
+// registers a thread) have no room for a third: build it with MVQ_WARPS_K=12 (170). 12
+// warps x 2 units in flight is 1.5 times 16 x 1 (run 28: the matvecs wait on their loads
+// about half of their cycles). Not built with MVQ_QKV_SPLIT.
+#ifndef MVQ_PIPE3
+#define MVQ_PIPE3 0
 #endif
 
 // one token's quantized x in shared memory
@@ -898,6 +911,29 @@ __device__ __forceinline__ void mvq_body(
         load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane + 32 * QD::UNROLL * it_lo,
                   pa, pb);
     }
+#if MVQ_PIPE3 && MVQ_PIPE
+    // the unit after (job j, iteration it), and its loads into (ra, rb) if the warp has it
+    const int n_it3 = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
+    auto next_unit = [&](int& j, int& it) {
+        if (++it == n_it3) it = 0, j += job_step;
+    };
+    auto load_unit = [&](int j, int it, QD::Raw* ra, QD::Raw* rb) {
+        if (j < n_jobs) {
+            const Job jn = job_at(j);
+            const int c = lane + 32 * QD::UNROLL * it;
+            if (cpr % (32 * QD::UNROLL) == 0 && jn.two)
+                load_iter<true>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, true, cpr, c, ra, rb);
+            else
+                load_iter<false>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, jn.two, cpr, c, ra, rb);
+        }
+    };
+    QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];  // the second unit, also before the wait
+    if (have_first) {
+        int j1 = row_first, it1 = 0;
+        next_unit(j1, it1);
+        load_unit(j1, it1, qa, qb);
+    }
+#endif
 #if MVQ_CP_BUILT
     // CP: the warp's ring of stages (after x's codes, scales and sums), and the next unit to
     // copy: segment iss_seg of job row_first + iss_i * job_step (upj units a job)
@@ -1174,6 +1210,41 @@ __device__ __forceinline__ void mvq_body(
     // taken in turn (ping-pong, no copies); the first is the preload above (so not without
     // MVQ_PRELOAD, whose build takes the loop below).
     if constexpr (NT == 1 && !CP && MVQ_PRELOAD) {
+#if MVQ_PIPE3
+        static_assert(!MVQ_QKV_SPLIT, "MVQ_PIPE3 walks whole rows");
+        if (have_first) {
+            QD::Raw ua[QD::UNROLL], ub[QD::UNROLL];
+            int jc = row_first, it = 0;
+            float acc_a[1] = {0.f}, acc_b[1] = {0.f};
+            // multiply the unit (jc, it) in (ca, cb) after issuing the loads of the unit two
+            // ahead into (na, nb), the set the step before emptied; false when no unit is left
+            auto step = [&](const QD::Raw* ca, const QD::Raw* cb, QD::Raw* na, QD::Raw* nb) {
+                int j_n = jc, it_n = it;
+                next_unit(j_n, it_n);
+                const bool more = j_n < n_jobs;
+                if (more) {
+                    int j2 = j_n, it2 = it_n;
+                    next_unit(j2, it2);
+                    load_unit(j2, it2, na, nb);
+                }
+                const Job jb = job_at(jc);
+                const int c = lane + 32 * QD::UNROLL * it;
+                with_all(jb, [&](auto all) {
+                    dot_iter<1, decltype(all)::value>(ca, cb, jb.two, cpr, c, x0, k, n, acc_a, acc_b);
+                });
+                if (it == n_it3 - 1) {
+                    finish(jb, acc_a, acc_b);
+                    acc_a[0] = acc_b[0] = 0.f;
+                }
+                it = it_n, jc = j_n;
+                return more;
+            };
+            while (step(pa, pb, ua, ub) && step(qa, qb, pa, pb) && step(ua, ub, qa, qb)) {
+            }
+        }
+        pdl_trigger_at(2, pdl_at);
+        return;
+#endif
         if (have_first) {
             const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
 #if MVQ_QKV_SPLIT
