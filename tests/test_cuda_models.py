@@ -189,7 +189,7 @@ def test_graph_replay_equals_eager(model_file, fuse, arithmetic):
         np.testing.assert_array_equal(logits_g, logits_e)
 
 
-# rows of 2048: whole units of matvec_q8_n1_cp (mmvq.cu, MVQ_CP) for Q4_K and Q6_K
+# rows of 2048, Q4_K with Q6_K's ffn_down and output
 WIDE = TinySpec(
     n_layers=2,
     n_embd=2048,
@@ -208,10 +208,8 @@ WIDE = TinySpec(
 
 
 def test_graph_replay_equals_eager_wide_rows(tmp_path):
-    """Rows of 2048 weights, 16 heads of 128 in GQA groups of 4: where mmvq.cu is built with
-    MVQ_CP, the one-token Q4_K / Q6_K matvecs (Q/K/V with RoPE, attn_output, gate+up,
-    ffn_down, output) take the kernels that copy their weights into shared memory before
-    their dependent-launch wait (matvec_q8_n1_cp, run 11); else the register kernels. Fused
+    """Rows of 2048 weights, 16 heads of 128 in GQA groups of 4, through the one-token
+    Q4_K / Q6_K matvecs (Q/K/V with RoPE, attn_output, gate+up, ffn_down, output): fused
     int8 graphs with programmatic launches against eager execution, within
     test_graph_replay_equals_eager's bound for that case."""
     _cuda()

@@ -174,8 +174,7 @@ class _Kernels:
 
     __slots__ = (
         "matvec", "dequant", "dequant_h", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
-        "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_cp",
-        "matvec_q8_rope_cp", "cp_geom", "matvec_q8_few",
+        "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_few",
     )  # fmt: skip
 
     def __init__(self, matvec, dequant, dequant_h, get_rows):
@@ -187,23 +186,8 @@ class _Kernels:
         self.matvec_q8_small = None  # matvec_q8_n1 in smaller blocks (mmvq.cu), if built
         self.mvq_warps = 8  # warps per block of the matvec_q8 kernels (mmvq.cu's MVQ_WARPS)
         self.mvq_small_warps = 8  # the same of matvec_q8_small (MVQ_SMALL_WARPS)
-        # one token with the weights through shared memory (mmvq.cu's MVQ_CP), if built:
-        # plain / gate+up, Q/K/V with RoPE, and their _CpGeom
-        self.matvec_q8_cp = self.matvec_q8_rope_cp = self.cp_geom = None
         # rows of x at most -> the int8 kernel for them (matvec_q8_2, _4; matvec_q8 for 8)
         self.matvec_q8_few: dict[int, object] = {}
-
-
-@dataclass(frozen=True)
-class _CpGeom:
-    """mmvq.cu's mvq_cp_geom: how the matvec_q8_n1_cp kernels stage the weights."""
-
-    warps: int  # warps per block
-    seg: int  # blocks of a row per unit (rows of a multiple of this only)
-    stages: int  # units in flight per warp
-    stage_bytes: int  # shared memory of one stage (two rows' units)
-    trigger: int  # where the kernels let the next launch in (common.cuh, pdl_trigger_at)
-    blocks: int  # blocks per SM of a launch (1: the next launch's block fits beside it)
 
 
 class _Launch:
@@ -595,9 +579,6 @@ class CUDABackend(Backend):
         # with the logits' copy to pinned host memory (False: both as separate calls around
         # the graph, as before run 11; for comparisons)
         self.graph_copies = True
-        # one-token Q4_K / Q6_K matvecs through matvec_q8_n1_cp where it is built and the
-        # shapes fit (False: the register kernels, as before run 11; for comparisons)
-        self.cp_matvec = True
         # eager mode: device copies of host index arrays, reused within one forward pass
         self._dev_pos_src = None
         self._dev_pos = None
@@ -640,16 +621,6 @@ class CUDABackend(Backend):
                         if small is not None:
                             kernels.matvec_q8_small = small
                             kernels.mvq_small_warps = small.max_threads_per_block // 32
-                        try:  # built for Q4_K and Q6_K (MVQ_CP)
-                            cp_kernel = mod.get_function("matvec_q8_n1_cp")
-                        except cp.cuda.driver.CUDADriverError:
-                            cp_kernel = None
-                        if cp_kernel is not None:
-                            geom = mod.get_global("mvq_cp_geom")
-                            values = cp.ndarray((6,), cp.int32, memptr=geom).get()
-                            kernels.cp_geom = _CpGeom(*(int(v) for v in values))
-                            kernels.matvec_q8_cp = cp_kernel
-                            kernels.matvec_q8_rope_cp = mod.get_function("matvec_q8_n1_rope_cp")
                     # x is staged in dynamic shared memory: allow more than 48 KiB
                     for kernel in (
                         kernels.matvec,
@@ -658,19 +629,9 @@ class CUDABackend(Backend):
                         kernels.matvec_q8_wide,
                         kernels.matvec_q8_rope,
                         kernels.matvec_q8_small,
-                        kernels.matvec_q8_cp,
-                        kernels.matvec_q8_rope_cp,
                     ):
                         if kernel is not None:
                             kernel.max_dynamic_shared_size_bytes = self._mv_smem_limit()
-                    for kernel in (kernels.matvec_q8_cp, kernels.matvec_q8_rope_cp):
-                        if kernel is not None:
-                            # all of the multiprocessor's L1 as shared memory, so that
-                            # two of these blocks (of successive launches) fit side by side
-                            try:
-                                kernel.preferred_shared_memory_carveout = 100
-                            except (AttributeError, cp.cuda.driver.CUDADriverError):
-                                pass
             except cp.cuda.compiler.CompileException as err:
                 raise BackendError(
                     f"the CUDA kernels for {qtype.name} did not compile: {err}"
@@ -1610,22 +1571,6 @@ class CUDABackend(Backend):
                 kernel, warps = small, kernels.mvq_small_warps
             rows_per_block = warps * per_warp
             threads = warps * 32
-            cp_smem = self._cp_smem(mv, kernels)
-            if cp_smem:
-                # the weights through shared memory: one block per SM, beside the next
-                # launch's (mmvq.cu, MVQ_CP)
-                geom = kernels.cp_geom
-                kernel = kernels.matvec_q8_rope_cp if mv.rope is not None else kernels.matvec_q8_cp
-                smem, warps = cp_smem, geom.warps
-                rows_per_block = warps * per_warp
-                threads = warps * 32
-                n_blocks = min(-(-rows // rows_per_block), self._n_sm * geom.blocks)
-                args.append(np.int32(geom.trigger))
-                if pdl is not None:
-                    pdl.launch(kernel, (n_blocks,), (threads,), args, smem, pdl.stream)
-                else:
-                    kernel((n_blocks,), (threads,), tuple(args), shared_mem=smem)
-                return
         else:
             assert len(mv.weights) == 1 and not mv.act, "the float matvec takes one weight"
             kernel = kernels.matvec
@@ -1662,18 +1607,6 @@ class CUDABackend(Backend):
             pdl.launch(kernel, grid, (threads,), args, smem, pdl.stream)
         else:
             kernel(grid, (threads,), tuple(args), shared_mem=smem)
-
-    def _cp_smem(self, mv: _Matvec, kernels: _Kernels) -> int:
-        """Dynamic shared memory of ``mv`` through matvec_q8_n1_cp (x's codes, scales and
-        sums, then each warp's stages), or 0 where that kernel doesn't take it: more than one
-        token, not built for the type, rows not a multiple of its units, or too much."""
-        geom = kernels.cp_geom
-        if geom is None or kernels.matvec_q8_cp is None or mv.n != 1 or not self.cp_matvec:
-            return 0
-        if (mv.k // layout.chunk_block(mv.weights[0].qtype)) % geom.seg:
-            return 0
-        smem = (_q8_smem(1, mv.k) + 15) // 16 * 16 + geom.warps * geom.stages * geom.stage_bytes
-        return smem if smem <= self._mv_smem_limit() else 0
 
     def _gemm_input(self, x) -> tuple:
         """x as ``_gemm`` takes it: (rows, the device array cuBLAS reads, its cuBLAS type,

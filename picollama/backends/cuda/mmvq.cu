@@ -30,11 +30,8 @@
 // 576-wide rows of small models prefer. The backend reads the block size back from the
 // kernel (max_threads_per_block).
 #if defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K)
-#ifndef MVQ_WARPS_K
-#define MVQ_WARPS_K 16  // (a build variant may take 12: see MVQ_PIPE3)
-#endif
 #ifndef MVQ_WARPS
-#define MVQ_WARPS MVQ_WARPS_K
+#define MVQ_WARPS 16
 #endif
 #ifndef MVQ_MIN_BLOCKS
 #define MVQ_MIN_BLOCKS 1
@@ -112,78 +109,6 @@
 #define MVQ_PRELOAD 1
 #endif
 
-// Weights through shared memory (one token, Q4_K and Q6_K pairs, rows of a multiple of
-// MVQ_CP_SEG blocks): matvec_q8_n1_cp and matvec_q8_n1_rope_cp. A warp streams its rows in
-// units of MVQ_CP_SEG blocks of its two rows (a "stage") into a ring of stages in dynamic
-// shared memory by cp.async (no registers held while the bytes are in flight), the first
-// ring-full before it waits for the kernel before; then it takes each unit's chunks from
-// shared memory as soon as the unit has landed and refills its stage with the unit a ring
-// ahead. A block of MVQ_CP_WARPS warps takes less than half of a multiprocessor's registers
-// and shared memory, so the next kernel's block can sit beside it and stream its own
-// weights while this one still computes. Each lane takes the same chunks in the same order
-// as in matvec_q8_n1, so the results are the same bit for bit.
-//
-// Off by default: on the H200 (run 11) the 8B shape decoded at 279 t/s with it against 393
-// with the register kernels (16 warps of 64 registers and two stages: 305). Eight or sixteen
-// warps a multiprocessor are too few to hide the latencies of the dots, and more stages
-// than two blocks' worth of shared memory keep the next launch's block out.
-#ifndef MVQ_CP
-#define MVQ_CP 0
-#endif
-#ifndef MVQ_CP_WARPS
-#define MVQ_CP_WARPS 8
-#endif
-#ifndef MVQ_CP_SEG
-#define MVQ_CP_SEG 8  // blocks of a row per stage (8: one chunk of each row per lane)
-#endif
-#ifndef MVQ_CP_STAGES_Q4K
-#define MVQ_CP_STAGES_Q4K 4  // 2304-byte stages
-#endif
-#ifndef MVQ_CP_STAGES_Q6K
-#define MVQ_CP_STAGES_Q6K 3  // 3360-byte stages (x of 14336 takes 19.7 KB besides)
-#endif
-#ifndef MVQ_CP_XB
-#define MVQ_CP_XB 4  // rounds of x loads issued at once (4096 wide: all four of 8 warps)
-#endif
-#ifndef MVQ_CP_TRIGGER
-#define MVQ_CP_TRIGGER 1  // where these kernels let the next one launch (pdl_trigger_at)
-#endif
-#ifndef MVQ_CP_BLOCKS
-#define MVQ_CP_BLOCKS 1  // blocks per multiprocessor of a launch (2: two rings an SM)
-#endif
-// MVQ_CP_TMA (with MVQ_CP, sm_90 on): a stage is filled by the bulk-copy engine instead of
-// the lanes: lane 0 announces the stage's bytes to the stage's mbarrier and issues one
-// cp.async.bulk per field of each row (2 to 8 instructions a stage, against 4.5 cp.async a
-// lane and their addresses); the lanes wait on the mbarrier's phase. Same bytes in the same
-// places, so the same results. (Run 28: the register kernels stall on global loads, ~5.5
-// of their ~11 cycles an instruction, and the H200's decode has not moved since run 10
-// while the H100's has: more bytes in flight is the lever there, if the ring's copies cost
-// little to issue.)
-#ifndef MVQ_CP_TMA
-#define MVQ_CP_TMA 0
-#endif
-// MVQ_QKV_SPLIT (one token, Q/K/V with RoPE, the pipe): the 8B's Q/K/V launch has 3072 RoPE
-// pairs for 2112 warps, so a third of the warps take two pairs (4 units) while the rest take
-// one (2): the launch lasts 4 units. With the option two warps of a block share each pair,
-// each taking half of the row's iterations (rows of an even number of whole iterations),
-// and the pairs go round the 1056 warp pairs: 3 units a warp at most. The odd warp hands its
-// sums to the even one through shared memory (a named barrier of the two warps), which adds
-// the halves, turns the pair and writes it. The halves' float sums are added in another
-// order than one warp's, so q, k and v move within float32 rounding (not bit for bit).
-#ifndef MVQ_QKV_SPLIT
-#define MVQ_QKV_SPLIT 0
-#endif
-// MVQ_PIPE3 (with MVQ_PIPE, one token): three register sets instead of two, so that a warp
-// has two units in flight while it multiplies a third: each step issues the loads of the
-// unit two ahead into the set its previous step emptied, and the first two units go out
-// before the wait. Q4_K's pair sets are 24 registers (Q6_K's 30), so 16-warp blocks (128
-// registers a thread) have no room for a third: build it with MVQ_WARPS_K=12 (170). 12
-// warps x 2 units in flight is 1.5 times 16 x 1 (run 28: the matvecs wait on their loads
-// about half of their cycles). Not built with MVQ_QKV_SPLIT.
-#ifndef MVQ_PIPE3
-#define MVQ_PIPE3 0
-#endif
-
 // one token's quantized x in shared memory
 struct XQ {
     const signed char* q;  // k codes
@@ -201,28 +126,6 @@ __device__ __forceinline__ int4 ld_x16(const signed char* p) { return *(const in
 // chunks: 2^36 weights and more for every type here)
 __device__ __forceinline__ const u8* at(const u8* p, u32 i, u32 sz) {
     return p + (unsigned long long)i * sz;
-}
-
-// weight loads from global memory (G, read-only path) or from a stage in shared memory
-template <bool G>
-__device__ __forceinline__ uint4 lw128(const u8* p) {
-    if constexpr (G) return ld_u128(p);
-    else return *(const uint4*)p;
-}
-template <bool G>
-__device__ __forceinline__ uint2 lw64(const u8* p) {
-    if constexpr (G) return ld_u64(p);
-    else return *(const uint2*)p;
-}
-template <bool G>
-__device__ __forceinline__ u32 lw32(const u8* p) {
-    if constexpr (G) return ld_u32(p);
-    else return *(const u32*)p;
-}
-template <bool G>
-__device__ __forceinline__ u32 lw16(const u8* p) {
-    if constexpr (G) return ld_u16(p);
-    else return *(const u16*)p;
 }
 
 // MVQ_HI16: the high nibbles of Q4_0 and Q4_K codes multiplied where they lie, as the
@@ -250,9 +153,9 @@ __device__ __forceinline__ int hi_sum(int sum) { return MVQ_HI16 ? sum >> 4 : su
 #define MVQ_Q4K_PRMT 1
 #endif
 // g of every chunk a lane takes, CPB chunks a block: every caller gives lane l the chunks
-// c = l + 32 i (c0 = lane in row_dot2, units of 32 or 64 chunks in the shared-memory path),
-// so g = (c % CPB) / (CPB / 4) is l's; from the thread index the compiler sees that it
-// does not change in the loops, and makes the masks and selectors once
+// c = l + 32 i (c0 = lane in row_dot2), so g = (c % CPB) / (CPB / 4) is l's; from the
+// thread index the compiler sees that it does not change in the loops, and makes the
+// masks and selectors once
 __device__ __forceinline__ int lane_g(int cpb) { return (int)(threadIdx.x % cpb) / (cpb / 4); }
 __device__ __forceinline__ u32 q4k_scale_min2(u32 s0, u32 s1, u32 s2, int g) {
     const bool lo = g < 2;
@@ -357,13 +260,12 @@ struct QD {
         uint4 qa, qb;
         u32 dm, s0, s1, s2;
     };
-    template <bool G = true>
     __device__ static __forceinline__ Raw load(const Fields& f, u32 gc) {
         Raw r;
         const u8* p = at(f.p1, gc, 32);  // qs[32 g ..] of block gc / 4 (g = gc % 4)
-        r.qa = lw128<G>(p);
-        r.qb = lw128<G>(p + 16);
-        const uint4 hd = lw128<G>(at(f.p0, gc / CPB, 16));  // (d, dmin), scales[12]
+        r.qa = ld_u128(p);
+        r.qb = ld_u128(p + 16);
+        const uint4 hd = ld_u128(at(f.p0, gc / CPB, 16));  // (d, dmin), scales[12]
         r.dm = hd.x, r.s0 = hd.y, r.s1 = hd.z, r.s2 = hd.w;
         return r;
     }
@@ -476,19 +378,18 @@ struct QD {
         uint4 l0, l1, qh;
         u32 sa, sb, d;
     };
-    template <bool G = true>
     __device__ static __forceinline__ Raw load(const Fields& f, u32 gc) {
         const u32 b = gc / CPB;
         const int u = (int)(gc % CPB);
         int hh = u >> 1, p = u & 1;
         Raw r;
         const u8* lp = at(f.p0, b, 128) + 64 * hh + 16 * p;
-        r.l0 = lw128<G>(lp);
-        r.l1 = lw128<G>(lp + 32);
-        r.qh = lw128<G>(at(f.p1, gc, 16));  // 64 b + 32 hh + 16 p
-        const uint2 s8 = lw64<G>(at(f.p2, b, 16) + 8 * hh);  // scales 8 hh .. 8 hh + 7
+        r.l0 = ld_u128(lp);
+        r.l1 = ld_u128(lp + 32);
+        r.qh = ld_u128(at(f.p1, gc, 16));  // 64 b + 32 hh + 16 p
+        const uint2 s8 = ld_u64(at(f.p2, b, 16) + 8 * hh);  // scales 8 hh .. 8 hh + 7
         r.sa = s8.x, r.sb = s8.y;
-        r.d = lw16<G>(at(f.p3, b, 2));
+        r.d = ld_u16(at(f.p3, b, 2));
         return r;
     }
     __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
@@ -575,129 +476,6 @@ struct QD {
 
 static_assert(Q::BLOCK / QD::CPB == 16 || Q::BLOCK / QD::CPB == 32 || Q::BLOCK / QD::CPB == 64,
               "a chunk is 16, 32 or 64 weights");
-
-#if MVQ_CP && ((defined(QTYPE_Q4_K) && MVQ_Q4K_PAIR) || (defined(QTYPE_Q6_K) && MVQ_Q6K_PAIR))
-#define MVQ_CP_BUILT 1
-#else
-#define MVQ_CP_BUILT 0
-#endif
-
-#if MVQ_CP_BUILT
-#if defined(QTYPE_Q4_K)
-#define MVQ_CP_STAGES MVQ_CP_STAGES_Q4K
-#else
-#define MVQ_CP_STAGES MVQ_CP_STAGES_Q6K
-#endif
-// A stage: MVQ_CP_SEG blocks of row a, then the same of row b; each row's fields one after
-// another (as field-major Fields of MVQ_CP_SEG blocks), in 16-byte pieces: CP_Pf of field f.
-constexpr int CP_P0 = MVQ_CP_SEG * LAYOUT_SZ0 / 16, CP_P1 = MVQ_CP_SEG * LAYOUT_SZ1 / 16;
-constexpr int CP_P2 = MVQ_CP_SEG * LAYOUT_SZ2 / 16, CP_P3 = MVQ_CP_SEG * LAYOUT_SZ3 / 16;
-static_assert((MVQ_CP_SEG * LAYOUT_SZ0) % 16 == 0 && (MVQ_CP_SEG * LAYOUT_SZ1) % 16 == 0 &&
-                  (MVQ_CP_SEG * LAYOUT_SZ2) % 16 == 0 && (MVQ_CP_SEG * LAYOUT_SZ3) % 16 == 0,
-              "a stage's fields are whole 16-byte pieces");
-constexpr int CP_ROWP = CP_P0 + CP_P1 + CP_P2 + CP_P3;
-constexpr int CP_ROW = 16 * CP_ROWP;   // bytes of one row's unit
-constexpr int CP_STAGE = 2 * CP_ROW;  // bytes of a stage
-constexpr int CP_CPL = MVQ_CP_SEG * QD::CPB / 32;  // chunks of a row a lane takes per unit
-static_assert(MVQ_CP_SEG * QD::CPB % 32 == 0, "a unit is whole chunks for every lane");
-
-// the geometry the backend sizes the launches by: warps, blocks a unit, stages, stage
-// bytes, trigger point, blocks a multiprocessor
-extern "C" __device__ int mvq_cp_geom[6] = {MVQ_CP_WARPS, MVQ_CP_SEG,     MVQ_CP_STAGES,
-                                            CP_STAGE,     MVQ_CP_TRIGGER, MVQ_CP_BLOCKS};
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    u32 s;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-#if MVQ_CP_TMA
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 s;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(p));
-    return s;
-}
-// an mbarrier of one arrival a phase (lane 0's, with the phase's byte count)
-__device__ __forceinline__ void bar_init(unsigned long long* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void bar_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-// until the phase of the given parity has completed (its bytes have landed)
-__device__ __forceinline__ void bar_wait(unsigned long long* bar, u32 parity) {
-    const u32 a = smem_u32(bar);
-    u32 done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-            "selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(a), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void bulk_copy(u8* dst, const u8* src, u32 bytes,
-                                          unsigned long long* bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_u32(dst)),
-        "l"(src), "r"(bytes), "r"(smem_u32(bar))
-        : "memory");
-}
-// cp_row's bytes by the bulk-copy engine: each field's MVQ_CP_SEG blocks in one copy
-__device__ __forceinline__ void tma_row(const Fields& f, i64 b, u8* dst, unsigned long long* bar) {
-    bulk_copy(dst, f.p0 + LAYOUT_SZ0 * b, 16 * CP_P0, bar);
-    if (CP_P1) bulk_copy(dst + 16 * CP_P0, f.p1 + LAYOUT_SZ1 * b, 16 * CP_P1, bar);
-    if (CP_P2) bulk_copy(dst + 16 * (CP_P0 + CP_P1), f.p2 + LAYOUT_SZ2 * b, 16 * CP_P2, bar);
-    if (CP_P3) {
-        bulk_copy(dst + 16 * (CP_P0 + CP_P1 + CP_P2), f.p3 + LAYOUT_SZ3 * b, 16 * CP_P3, bar);
-    }
-}
-#endif
-
-// the fields of a row's unit in a stage
-__device__ __forceinline__ Fields cp_fields(const u8* st) {
-    Fields f;
-    f.p0 = st;
-    f.p1 = st + 16 * CP_P0;
-    f.p2 = f.p1 + 16 * CP_P1;
-    f.p3 = f.p2 + 16 * CP_P2;
-    return f;
-}
-
-// copy MVQ_CP_SEG blocks of a weight's fields f from block b on into dst (a warp's lanes)
-__device__ __forceinline__ void cp_row(const Fields& f, i64 b, u8* dst, int lane) {
-#pragma unroll
-    for (int q0 = 0; q0 < CP_ROWP; q0 += 32) {
-        const int q = q0 + lane;
-        if (q < CP_ROWP) {
-            const u8* src;
-            if (q < CP_P0) {
-                src = f.p0 + LAYOUT_SZ0 * b + 16 * q;
-            } else if (q < CP_P0 + CP_P1) {
-                src = f.p1 + LAYOUT_SZ1 * b + 16 * (q - CP_P0);
-            } else if (q < CP_P0 + CP_P1 + CP_P2) {
-                src = f.p2 + LAYOUT_SZ2 * b + 16 * (q - CP_P0 - CP_P1);
-            } else {
-                src = f.p3 + LAYOUT_SZ3 * b + 16 * (q - CP_P0 - CP_P1 - CP_P2);
-            }
-            cp_async16(dst + 16 * q, src);
-        }
-    }
-}
-#endif
 
 // One iteration of a row pair: the loads of chunks c0 + 32 u (u < UNROLL) of rows a and b
 // (b only with `two`), and their dots with the n rows of x. ALL: the caller knows that
@@ -828,9 +606,8 @@ struct Job {
     int pair;
 };
 
-// W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS); CP: the
-// weights through shared memory (one token; MVQ_CP above)
-template <int NT, int XB, bool ROPE, int W, bool CP = false>
+// W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS)
+template <int NT, int XB, bool ROPE, int W>
 __device__ __forceinline__ void mvq_body(
     const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
     int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
@@ -853,19 +630,6 @@ __device__ __forceinline__ void mvq_body(
     const int pq = m0 >> 1, pk = m1 >> 1;
     const int n_jobs = ROPE ? pq + pk + (m2 >> 1) : m_rows;
     const int job_step = (ROPE || act) ? n_warps : 2 * n_warps;
-    // MVQ_QKV_SPLIT: warps 2 p and 2 p + 1 take jobs p, p + n_warps / 2, ..., the even one
-    // iterations [0, n_it / 2) of each, the odd one the rest. Else warp w jobs w, w + job_step,
-    // ..., all their iterations.
-#if MVQ_QKV_SPLIT
-    const int it_row = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);  // a row's iterations
-    const bool split = MVQ_PIPE && MVQ_PRELOAD && ROPE && NT == 1 && !CP && W % 2 == 0 &&
-                       cpr % (32 * QD::UNROLL) == 0 && it_row % 2 == 0;
-    const int j_first = split ? row_first >> 1 : row_first;
-    const int j_step = split ? job_step >> 1 : job_step;
-    const int it_lo = split ? (warp & 1) * (it_row >> 1) : 0;
-#else
-    const int j_first = row_first, j_step = job_step, it_lo = 0;
-#endif
     auto job_at = [&](int j) {
         Job jb;
         jb.rot = false;
@@ -905,82 +669,11 @@ __device__ __forceinline__ void mvq_body(
     // a warp, made both the 135M and the 8B shapes 4-6% slower: run 10.)
     QD::Raw pa[QD::UNROLL], pb[QD::UNROLL];
     // (one token only: with NT rows of x the registers would spill)
-    const bool have_first = MVQ_PRELOAD && NT == 1 && !CP && j_first < n_jobs;
+    const bool have_first = MVQ_PRELOAD && NT == 1 && row_first < n_jobs;
     if (have_first) {
-        Job jb = job_at(j_first);
-        load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane + 32 * QD::UNROLL * it_lo,
-                  pa, pb);
+        Job jb = job_at(row_first);
+        load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
     }
-#if MVQ_PIPE3 && MVQ_PIPE
-    // the unit after (job j, iteration it), and its loads into (ra, rb) if the warp has it
-    const int n_it3 = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
-    auto next_unit = [&](int& j, int& it) {
-        if (++it == n_it3) it = 0, j += job_step;
-    };
-    auto load_unit = [&](int j, int it, QD::Raw* ra, QD::Raw* rb) {
-        if (j < n_jobs) {
-            const Job jn = job_at(j);
-            const int c = lane + 32 * QD::UNROLL * it;
-            if (cpr % (32 * QD::UNROLL) == 0 && jn.two)
-                load_iter<true>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, true, cpr, c, ra, rb);
-            else
-                load_iter<false>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, jn.two, cpr, c, ra, rb);
-        }
-    };
-    QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];  // the second unit, also before the wait
-    if (have_first) {
-        int j1 = row_first, it1 = 0;
-        next_unit(j1, it1);
-        load_unit(j1, it1, qa, qb);
-    }
-#endif
-#if MVQ_CP_BUILT
-    // CP: the warp's ring of stages (after x's codes, scales and sums), and the next unit to
-    // copy: segment iss_seg of job row_first + iss_i * job_step (upj units a job)
-    u8* ring = (u8*)mvq_smem + ((n * k + n * nb32 * 12 + 15) & ~15) +
-               warp * (MVQ_CP_STAGES * CP_STAGE);
-    const int upj = bpr / MVQ_CP_SEG;
-    int iss_i = 0, iss_seg = 0;
-#if MVQ_CP_TMA
-    // the warp's mbarriers, one a stage
-    __shared__ unsigned long long cp_bars[CP ? MVQ_CP_WARPS * MVQ_CP_STAGES : 1];
-    unsigned long long* bars = cp_bars + (CP ? warp * MVQ_CP_STAGES : 0);
-    if constexpr (CP) {
-        if (lane == 0) {
-            for (int st = 0; st < MVQ_CP_STAGES; st++) bar_init(bars + st);
-            bar_init_fence();
-        }
-        __syncwarp();
-    }
-#endif
-    auto issue = [&](int st) {
-        u8* dst = ring + st * CP_STAGE;
-        const int j = row_first + iss_i * job_step;
-        if (j < n_jobs) {
-#if MVQ_CP_TMA
-            if (lane == 0) {
-                const Job jb = job_at(j);
-                const i64 b = (i64)iss_seg * MVQ_CP_SEG;
-                bar_expect(bars + st, jb.two ? CP_STAGE : CP_ROW);
-                tma_row(jb.a.f, jb.a.b0 + b, dst, bars + st);
-                if (jb.two) tma_row(jb.b.f, jb.b.b0 + b, dst + CP_ROW, bars + st);
-            }
-#else
-            Job jb = job_at(j);
-            const i64 b = (i64)iss_seg * MVQ_CP_SEG;
-            cp_row(jb.a.f, jb.a.b0 + b, dst, lane);
-            if (jb.two) cp_row(jb.b.f, jb.b.b0 + b, dst + CP_ROW, lane);
-#endif
-            if (++iss_seg == upj) iss_seg = 0, iss_i++;
-        }
-        if (!MVQ_CP_TMA) cp_commit();  // (empty past the warp's last unit: every lane counts the same groups)
-    };
-    if constexpr (CP) {
-        // a ring-full of units before the wait: the weights are constant
-#pragma unroll
-        for (int st = 0; st < MVQ_CP_STAGES; st++) issue(st);
-    }
-#endif
     if constexpr (ROPE) {
         // every pair's angle, with rope_head's float32 operations (ops.cu), before the dots:
         // not on the critical path of each pair's epilogue. The position was copied to the
@@ -1085,29 +778,26 @@ __device__ __forceinline__ void mvq_body(
     const int crow = ROPE ? *ra.start : 0;
     u16* const kc = ROPE ? *ra.kcs : nullptr;
     u16* const vc = ROPE ? *ra.vcs : nullptr;
-    // ROPE: a pair's two sums (lane 0's count) turned, written, and k and v into the caches
-    auto rope_out = [&](const Job& jb, float o0, float o1) {
-        if (lane == 0) {
-            if (jb.rot) {  // rope_head's arithmetic, pair i of the head
-                const int hd = ra.head_dim, i = jb.pair - (jb.pair / (hd >> 1)) * (hd >> 1);
-                const float2 cs = s_cs[i];
-                float x0v = o0, x1v = o1;
-                o0 = __fsub_rn(__fmul_rn(x0v, cs.x), __fmul_rn(x1v, cs.y));
-                o1 = __fadd_rn(__fmul_rn(x0v, cs.y), __fmul_rn(x1v, cs.x));
-            }
-            jb.a.y[jb.a.r] = o0;
-            jb.b.y[jb.b.r] = o1;
-            if (jb.a.slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
-                u16* c = jb.a.slot == 1 ? kc + (i64)crow * m1 : vc + (i64)crow * m2;
-                c[jb.a.r] = f2h(o0);
-                c[jb.b.r] = f2h(o1);
-            }
-        }
-    };
     // a job's sums over the warp's lanes, and their outputs
     auto finish = [&](const Job& jb, const float* acc_a, const float* acc_b) {
         if constexpr (ROPE) {
-            rope_out(jb, warp_sum(acc_a[0]), warp_sum(acc_b[0]));
+            float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
+            if (lane == 0) {
+                if (jb.rot) {  // rope_head's arithmetic, pair i of the head
+                    const int hd = ra.head_dim, i = jb.pair - (jb.pair / (hd >> 1)) * (hd >> 1);
+                    const float2 cs = s_cs[i];
+                    float x0v = o0, x1v = o1;
+                    o0 = __fsub_rn(__fmul_rn(x0v, cs.x), __fmul_rn(x1v, cs.y));
+                    o1 = __fadd_rn(__fmul_rn(x0v, cs.y), __fmul_rn(x1v, cs.x));
+                }
+                jb.a.y[jb.a.r] = o0;
+                jb.b.y[jb.b.r] = o1;
+                if (jb.a.slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
+                    u16* c = jb.a.slot == 1 ? kc + (i64)crow * m1 : vc + (i64)crow * m2;
+                    c[jb.a.r] = f2h(o0);
+                    c[jb.b.r] = f2h(o1);
+                }
+            }
         } else if (act) {
 #pragma unroll
             for (int t = 0; t < NT; t++) {
@@ -1156,128 +846,24 @@ __device__ __forceinline__ void mvq_body(
         });
         finish(jb, acc_a, acc_b);
     };
-#if MVQ_CP_BUILT
-    if constexpr (CP) {
-        // unit by unit: wait for the oldest copy group (this lane's pieces), then for the
-        // warp's other lanes (__syncwarp orders their copies before our reads); take its
-        // chunks; once every lane is done with the stage, refill it with the unit a ring ahead
-        Job jb;
-        float acc_a[1] = {0.f}, acc_b[1] = {0.f};
-        int seg = 0, st = 0;
-        u32 round = 0;  // times the ring has been gone through (MVQ_CP_TMA: the phase)
-        for (int j = row_first; j < n_jobs;) {
-            if (seg == 0) {
-                jb = job_at(j);
-                acc_a[0] = acc_b[0] = 0.f;
-            }
-#if MVQ_CP_TMA
-            bar_wait(bars + st, round & 1);
-#else
-            cp_wait<MVQ_CP_STAGES - 1>();
-            __syncwarp();
-#endif
-            u8* stage = ring + st * CP_STAGE;
-            const Fields fa = cp_fields(stage), fb = cp_fields(stage + CP_ROW);
-#pragma unroll
-            for (int e = 0; e < CP_CPL; e++) {
-                const int cl = lane + 32 * e;  // the chunk in the unit, and in the row:
-                const int c = seg * (MVQ_CP_SEG * QD::CPB) + cl;
-                const QD::Raw ra = QD::load<false>(fa, (u32)cl);
-                acc_a[0] += QD::dot(ra, c, x0);
-                if (jb.two) {
-                    const QD::Raw rb = QD::load<false>(fb, (u32)cl);
-                    acc_b[0] += QD::dot(rb, c, x0);
-                }
-            }
-            __syncwarp();
-            issue(st);
-            if (++st == MVQ_CP_STAGES) st = 0, round++;
-            if (++seg == upj) {
-                seg = 0;
-                finish(jb, acc_a, acc_b);
-                j += job_step;
-            }
-        }
-        if (!MVQ_CP_TMA) cp_wait<0>();
-        pdl_trigger_at(2, pdl_at);
-        return;
-    }
-#endif
 #if MVQ_PIPE
     // MVQ_PIPE: the warp's (job, iteration) units as one stream, each unit's loads issued
     // before the unit ahead of it is multiplied, so that a lane always has a unit in flight
     // (across jobs too: the 8B's 4096-wide rows are one unit a job). Two register sets,
     // taken in turn (ping-pong, no copies); the first is the preload above (so not without
     // MVQ_PRELOAD, whose build takes the loop below).
-    if constexpr (NT == 1 && !CP && MVQ_PRELOAD) {
-#if MVQ_PIPE3
-        static_assert(!MVQ_QKV_SPLIT, "MVQ_PIPE3 walks whole rows");
-        if (have_first) {
-            QD::Raw ua[QD::UNROLL], ub[QD::UNROLL];
-            int jc = row_first, it = 0;
-            float acc_a[1] = {0.f}, acc_b[1] = {0.f};
-            // multiply the unit (jc, it) in (ca, cb) after issuing the loads of the unit two
-            // ahead into (na, nb), the set the step before emptied; false when no unit is left
-            auto step = [&](const QD::Raw* ca, const QD::Raw* cb, QD::Raw* na, QD::Raw* nb) {
-                int j_n = jc, it_n = it;
-                next_unit(j_n, it_n);
-                const bool more = j_n < n_jobs;
-                if (more) {
-                    int j2 = j_n, it2 = it_n;
-                    next_unit(j2, it2);
-                    load_unit(j2, it2, na, nb);
-                }
-                const Job jb = job_at(jc);
-                const int c = lane + 32 * QD::UNROLL * it;
-                with_all(jb, [&](auto all) {
-                    dot_iter<1, decltype(all)::value>(ca, cb, jb.two, cpr, c, x0, k, n, acc_a, acc_b);
-                });
-                if (it == n_it3 - 1) {
-                    finish(jb, acc_a, acc_b);
-                    acc_a[0] = acc_b[0] = 0.f;
-                }
-                it = it_n, jc = j_n;
-                return more;
-            };
-            while (step(pa, pb, ua, ub) && step(qa, qb, pa, pb) && step(ua, ub, qa, qb)) {
-            }
-        }
-        pdl_trigger_at(2, pdl_at);
-        return;
-#endif
+    if constexpr (NT == 1 && MVQ_PRELOAD) {
         if (have_first) {
             const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
-#if MVQ_QKV_SPLIT
-            const int it_hi = split ? it_lo + (n_it >> 1) : n_it;
-#else
-            const int it_hi = n_it;
-#endif
             QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];
-            int jc = j_first, it = it_lo;
+            int jc = row_first, it = 0;
             float acc_a[1] = {0.f}, acc_b[1] = {0.f};
-#if MVQ_QKV_SPLIT
-            // the odd warp's sums of a pair for the even one, two slots a warp pair taken in
-            // turn (a slot is written again only after the barrier of the job after)
-            __shared__ float2 s_half[ROPE ? W : 1];
-            int n_done = 0;
-            auto finish_split = [&](const Job& jb) {
-                const float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
-                float2* slot = s_half + ((warp >> 1) << 1) + (n_done & 1);
-                if ((warp & 1) && lane == 0) *slot = make_float2(o0, o1);
-                asm volatile("bar.sync %0, 64;" ::"r"(1 + (warp >> 1)) : "memory");
-                if (!(warp & 1)) {
-                    const float2 h = *slot;
-                    rope_out(jb, __fadd_rn(o0, h.x), __fadd_rn(o1, h.y));
-                }
-                n_done++;
-            };
-#endif
             // multiply the unit (job jc, iteration it) in (ca, cb) after issuing the next
             // one's loads into (na, nb); false when the warp has no unit left. (Jobs are
             // located again where they are used, rather than kept live across units.)
             auto step = [&](const QD::Raw* ca, const QD::Raw* cb, QD::Raw* na, QD::Raw* nb) {
                 int it_n = it + 1, j_n = jc;
-                if (it_n == it_hi) it_n = it_lo, j_n = jc + j_step;
+                if (it_n == n_it) it_n = 0, j_n = jc + job_step;
                 const bool more = j_n < n_jobs;
                 if (more) {
                     const Job jn = job_at(j_n);
@@ -1292,13 +878,8 @@ __device__ __forceinline__ void mvq_body(
                 with_all(jb, [&](auto all) {
                     dot_iter<1, decltype(all)::value>(ca, cb, jb.two, cpr, c, x0, k, n, acc_a, acc_b);
                 });
-                if (it == it_hi - 1) {
-#if MVQ_QKV_SPLIT
-                    if (split) finish_split(jb);
-                    else finish(jb, acc_a, acc_b);
-#else
+                if (it == n_it - 1) {
                     finish(jb, acc_a, acc_b);
-#endif
                     acc_a[0] = acc_b[0] = 0.f;
                 }
                 it = it_n, jc = j_n;
@@ -1369,18 +950,6 @@ extern "C" __global__ void __launch_bounds__(MVQ_SMALL_WARPS * 32, MVQ_SMALL_BLO
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_wide(MVQ_PARAMS) {
     mvq_body<1, 4, false, MVQ_WARPS>(MVQ_ARGS);
 }
-
-#if MVQ_CP_BUILT
-// one token, the weights through shared memory (MVQ_CP above): plain, gate+up, or Q/K/V
-// with RoPE and the KV cache write; two blocks of different launches fit a multiprocessor
-extern "C" __global__ void __launch_bounds__(MVQ_CP_WARPS * 32, 2) matvec_q8_n1_cp(MVQ_PARAMS) {
-    mvq_body<1, MVQ_CP_XB, false, MVQ_CP_WARPS, true>(MVQ_ARGS);
-}
-
-extern "C" __global__ void __launch_bounds__(MVQ_CP_WARPS * 32, 2) matvec_q8_n1_rope_cp(MVQ_PARAMS) {
-    mvq_body<1, MVQ_CP_XB, true, MVQ_CP_WARPS, true>(MVQ_ARGS);
-}
-#endif
 
 // one token's Q, K and V with RoPE and the KV cache write (ROPE above)
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
