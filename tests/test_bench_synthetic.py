@@ -31,3 +31,36 @@ def test_the_135m_q4_1_file_has_smollm2_q4_1s_layout_and_decodes_on_the_cpu(tmp_
     ctx = Context(str(path), n_ctx=32)
     logits = ctx.eval([256, 72, 101, 108])
     assert logits.shape[-1] == 49152 and np.isfinite(logits).all()
+
+
+def test_trace_report_orders_launches_and_takes_each_kinds_medians():
+    """``--trace``'s report (no GPU: records as mmvq.cu's MVQ_TRACE build writes them)."""
+    from picollama.backends.cuda.bench_synthetic import trace_report
+
+    def launch(ptr, start, n_warps, wait, quantized, first, done):
+        rows = []
+        for w in range(n_warps):  # warp w enters w ns late and finishes w ns late
+            t = [start + w, start + wait, start + quantized, start + first, start + done + w]
+            rows.append([ptr, w << 16] + [1_000_000 + v for v in t])
+        return rows
+
+    ns = 1000  # a microsecond
+    rec = launch(0xA000, 0, 4, 1 * ns, 5 * ns, 7 * ns, 20 * ns)
+    rec += launch(0xB000, 21 * ns, 4, 2 * ns, 4 * ns, 6 * ns, 12 * ns)
+    rec += launch(0xC000, 40 * ns, 4, 1 * ns, 5 * ns, 7 * ns, 24 * ns)
+    rec[-1][5] = 0  # a warp without a unit: no first-unit time
+    rec = np.array(rec[::-1], dtype=np.uint64)  # records come in any order
+    kinds = {0xA000: "gate+up", 0xB000: "down", 0xC000: "gate+up"}
+    lines = trace_report(rec, kinds, show=3)
+    rows = [line for line in lines if line[:3].strip().isdigit()]
+    assert [r.split()[1] for r in rows] == ["gate+up", "down", "gate+up"]
+    summary = {line.split(" | ")[0]: line.split(" | ") for line in lines if " | " in line}
+    gate = [float(v) for v in summary["gate+up"][1:]]
+    assert gate[0] == 2  # two launches of that kind
+    # entry -> wait done 1 us, wait -> x quantized 4, -> first unit 2, x quantized -> done
+    # 15 and 19 (median 17)
+    assert np.allclose(gate[1:5], [1.0, 4.0, 2.0, 17.0], atol=0.01)
+    down = [float(v) for v in summary["down"][1:]]
+    assert np.allclose(down[1:5], [2.0, 2.0, 2.0, 8.0], atol=0.01)
+    # the down launch's wait is done at 23 us; the launch before it finished at 20.003
+    assert abs(down[7] - (23.0 - 20.003)) < 0.01

@@ -175,6 +175,7 @@ class _Kernels:
     __slots__ = (
         "matvec", "dequant", "dequant_h", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
         "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_few",
+        "module",
     )  # fmt: skip
 
     def __init__(self, matvec, dequant, dequant_h, get_rows):
@@ -188,6 +189,7 @@ class _Kernels:
         self.mvq_small_warps = 8  # the same of matvec_q8_small (MVQ_SMALL_WARPS)
         # rows of x at most -> the int8 kernel for them (matvec_q8_2, _4; matvec_q8 for 8)
         self.matvec_q8_few: dict[int, object] = {}
+        self.module = None  # the RawModule they come from (its globals: diagnostic builds)
 
 
 class _Launch:
@@ -602,6 +604,7 @@ class CUDABackend(Backend):
                         mod.get_function("dequant_h"),
                         mod.get_function("get_rows"),
                     )
+                    kernels.module = mod
                     if qtype in layout.Q8DOT_TYPES:
                         kernels.matvec_q8 = mod.get_function("matvec_q8")
                         kernels.matvec_q8_n1 = mod.get_function("matvec_q8_n1")

@@ -4,6 +4,7 @@
         [--dir DIR] [-p 512] [-n 128] [-r 3] [--arithmetic ggml|exact]
         [--llama-bench PATH/TO/llama-bench]  # llama.cpp's figures on the same files
     python -m picollama.backends.cuda.bench_synthetic --barrier  # a grid barrier alone
+    python -m picollama.backends.cuda.bench_synthetic --trace --models 8b-q4_k_m  # warp timeline
 
 Writes GGUF files with the shapes of SmolLM2-135M, Llama-3.2-1B and Llama-3-8B (random
 weights drawn with fixed seeds, quantized like Q4_K_M: Q4_K, with Q6_K for ffn_down and the
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -46,6 +48,8 @@ __all__ = [
     "kernel_bench",
     "barrier_bench",
     "profile_step",
+    "trace_step",
+    "trace_report",
     "main",
 ]
 
@@ -328,19 +332,11 @@ KERNEL_SHAPES = (  # (type, k, m, gate+up fused)
 )
 
 
-def profile_step(backend, reps: int = 20, trace=None) -> list[tuple[str, int, float]]:
-    """Where a decode step's GPU time goes, by leaving kernels out: the step's fused launches
-    are captured into a graph whole and once without each kind of kernel; a kind's share is
-    the whole graph's time minus the time of the graph without it (each timed over ``reps``
-    replays; the outputs are garbage, the timing is not: no kernel's work depends on the
-    values). Returns (kernel, launches per step, microseconds per step), largest first,
-    and ("graph", launches, whole step) first of all. ``trace``: the step's recording
-    (default: the first recorded)."""
+def _launch_namer(backend):
+    """A function from a recorded launch to its kind, e.g. "matvec_q8 Q4_K 6144x4096 3
+    weight(s) +rope+store" or "attention_gqa_4_4"."""
     from picollama.backends.cuda.backend import _Matvec
 
-    if trace is None:
-        trace = next(t for t in backend._traces.values() if t.graph is not None)
-    launches = backend._fuse(trace) if backend.fuse else trace.launches
     names = {id(getattr(backend, a)): a[3:] for a in dir(backend) if a.startswith("_k_")}
     names.update({id(k): f"attention_gqa_{d}_{g}" for (d, g), k in backend._k_att_gqa.items()})
 
@@ -354,6 +350,117 @@ def profile_step(backend, reps: int = 20, trace=None) -> list[tuple[str, int, fl
         kind = "matvec_q8" if launch.q8 else "matvec"
         return f"{kind} {w.qtype.name} {rows}x{w.k} {what}"
 
+    return name
+
+
+def trace_step(path: str, show: int = 10) -> list[str]:
+    """A timeline of one decode step's one-token int8 matvecs, warp by warp: the kernels are
+    built with MVQ_TRACE=1 (mmvq.cu), one step is replayed from its graph, and each warp's
+    times (entry, the dependent-launch wait done, x quantized, its first unit multiplied,
+    done; %globaltimer) are read back. Returns the report's lines: the first ``show``
+    launches one by one, then each kind's medians over the step's launches of that kind.
+    The timer costs a little (an atomic a warp at its end), so read the spans as shares, not
+    as the build's own times."""
+    import cupy as cp
+
+    from picollama.backends.cuda import layout
+    from picollama.backends.cuda.backend import CUDABackend, _Matvec
+    from picollama.generation import Context
+
+    defines = [d for d in os.environ.get(layout.DEFINES_ENV, "").split(",") if d.strip()]
+    os.environ[layout.DEFINES_ENV] = ",".join(defines + ["MVQ_TRACE=1"])
+    backend = CUDABackend(graphs=True)
+    ctx = Context(path, n_ctx=64, n_batch=16, backend=backend)
+    rng = np.random.default_rng(0)
+    ctx.eval(rng.integers(0, ctx.n_vocab, size=8).tolist())
+    for tok in rng.integers(0, ctx.n_vocab, size=4).tolist():  # records, then replays
+        ctx.eval([tok])
+    mods = [k.module for q, k in backend._quant_mods.items() if q in layout.Q8DOT_TYPES]
+    counters = [cp.ndarray((1,), cp.uint32, memptr=m.get_global("mvq_trace_n")) for m in mods]
+    for c in counters:
+        c.fill(0)
+    cp.cuda.runtime.deviceSynchronize()
+    ctx.eval([int(rng.integers(0, ctx.n_vocab))])
+    cp.cuda.runtime.deviceSynchronize()
+    rows = []
+    for m, c in zip(mods, counters, strict=True):
+        n = min(int(c.get()[0]), 262144)  # mmvq.cu's MVQ_TRACE_CAP
+        rows.append(cp.ndarray((n, 7), cp.uint64, memptr=m.get_global("mvq_trace")).get())
+    trace = next(t for t in backend._traces.values() if t.graph is not None)
+    name = _launch_namer(backend)
+    launches = backend._fuse(trace) if backend.fuse else trace.launches
+    kinds = {
+        int(mv.weights[0].buf.data.ptr): name(mv) for mv in launches if isinstance(mv, _Matvec)
+    }
+    return trace_report(np.concatenate(rows), kinds, show)
+
+
+def trace_report(rec: np.ndarray, kinds: dict[int, str], show: int = 10) -> list[str]:
+    """``trace_step``'s report from mmvq.cu's records (rows of: the launch's first weight
+    address, block | warp << 16 | SM << 24, then the five times in ns, 0 for a time not
+    taken) and the kinds of launch by first weight address."""
+    with warnings.catch_warnings():  # medians of all-NaN columns (no first-unit times) are NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _trace_lines(rec, kinds, show)
+
+
+def _trace_lines(rec: np.ndarray, kinds: dict[int, str], show: int) -> list[str]:
+    times = rec[:, 2:].astype(np.float64)
+    t_base = times[:, 0].min()
+    times = (times - t_base) / 1000.0  # us from the step's first warp
+    times[rec[:, 5] == 0, 3] = np.nan  # warps without a unit
+    order = sorted(set(rec[:, 0].tolist()), key=lambda p: times[rec[:, 0] == p, 0].min())
+    out = [
+        "us from the step's first warp; min/median/max over the launch's warps",
+        "launch | warps | entry | wait done | x quantized | first unit | done | span",
+    ]
+    per_kind: dict[str, list[tuple[float, ...]]] = {}
+    prev_end = None
+    for i, ptr in enumerate(order):
+        t = times[rec[:, 0] == ptr]
+        kind = kinds.get(int(ptr), hex(int(ptr)))
+        med = np.nanmedian(t, axis=0)
+        gap = np.nan if prev_end is None else med[1] - prev_end
+        per_kind.setdefault(kind, []).append(
+            (
+                med[1] - med[0],  # entry -> wait done
+                med[2] - med[1],  # wait -> x quantized
+                np.nanmedian(t[:, 3] - t[:, 2]),  # x quantized -> first unit
+                np.nanmedian(t[:, 4] - t[:, 2]),  # x quantized -> done
+                t[:, 4].max() - med[4],  # the last warp after the median one
+                t[:, 4].max() - t[:, 0].min(),  # span
+                gap,  # the previous launch's last warp -> this one's wait done (median)
+            )
+        )
+        prev_end = t[:, 4].max()
+        if i < show:
+            cols = " | ".join(
+                f"{np.nanmin(t[:, c]):6.1f}/{med[c]:6.1f}/{np.nanmax(t[:, c]):6.1f}"
+                for c in range(5)
+            )
+            out.append(f"{i:3d} {kind} | {len(t)} | {cols} | {t[:, 4].max() - t[:, 0].min():5.1f}")
+    out.append(
+        "kind | launches | entry->wait | wait->x quantized | ->first unit | x quantized->done"
+        " | last warp after median | span | previous launch's end->wait done (us, medians)"
+    )
+    for kind, vals in per_kind.items():
+        v = np.nanmedian(np.array(vals), axis=0)
+        out.append(f"{kind} | {len(vals)} | " + " | ".join(f"{x:5.2f}" for x in v))
+    return out
+
+
+def profile_step(backend, reps: int = 20, trace=None) -> list[tuple[str, int, float]]:
+    """Where a decode step's GPU time goes, by leaving kernels out: the step's fused launches
+    are captured into a graph whole and once without each kind of kernel; a kind's share is
+    the whole graph's time minus the time of the graph without it (each timed over ``reps``
+    replays; the outputs are garbage, the timing is not: no kernel's work depends on the
+    values). Returns (kernel, launches per step, microseconds per step), largest first,
+    and ("graph", launches, whole step) first of all. ``trace``: the step's recording
+    (default: the first recorded)."""
+    if trace is None:
+        trace = next(t for t in backend._traces.values() if t.graph is not None)
+    launches = backend._fuse(trace) if backend.fuse else trace.launches
+    name = _launch_namer(backend)
     kinds = [name(launch) for launch in launches]
     backend._params = trace.params
     backend._upload_params()
@@ -726,12 +833,27 @@ def main(argv: list[str] | None = None) -> int:
         help="write the --models files into --dir and exit (no GPU needed)",
     )
     p.add_argument("--sweep", action="store_true", help="time int8 matvec build variants")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="a warp-by-warp timeline of one decode step's int8 matvecs (the first --models)",
+    )
     args = p.parse_args(argv)
 
     if args.write_only:
         os.makedirs(args.dir, exist_ok=True)
         for spec in args.models.split(","):
             print(_model_path(args.dir, spec), flush=True)
+        return 0
+
+    if args.trace:
+        os.makedirs(args.dir, exist_ok=True)
+        if args.define:
+            from picollama.backends.cuda import layout
+
+            os.environ[layout.DEFINES_ENV] = ",".join(args.define)
+        for line in trace_step(_model_path(args.dir, args.models.split(",")[0])):
+            print(line, flush=True)
         return 0
 
     if args.sweep:

@@ -109,6 +109,46 @@
 #define MVQ_PRELOAD 1
 #endif
 
+// MVQ_TRACE (a diagnostic build: bench_synthetic --trace): each warp of the one-token
+// kernels writes its times (%globaltimer, ns) into mvq_trace: entry, the dependent-launch
+// wait done, x quantized, its first unit multiplied, done; with the first weight's address,
+// the block, the warp and the SM. Slots are taken in order of finishing, up to MVQ_TRACE_CAP.
+#ifndef MVQ_TRACE
+#define MVQ_TRACE 0
+#endif
+#if MVQ_TRACE
+#define MVQ_TRACE_CAP 262144
+__device__ unsigned long long mvq_trace[MVQ_TRACE_CAP][7];
+__device__ unsigned int mvq_trace_n;
+__device__ __forceinline__ unsigned long long mvq_gtimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define MVQ_TR(name) const unsigned long long name = mvq_gtimer()
+#define MVQ_TR_FIRST() \
+    if (tr_f == 0) tr_f = mvq_gtimer()
+#define MVQ_TR_END()                                                                       \
+    do {                                                                                   \
+        if (lane == 0) {                                                                   \
+            unsigned int smid;                                                             \
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));                              \
+            const unsigned int slot = atomicAdd(&mvq_trace_n, 1u);                         \
+            if (slot < MVQ_TRACE_CAP) {                                                    \
+                unsigned long long* r = mvq_trace[slot];                                   \
+                r[0] = (unsigned long long)w0;                                             \
+                r[1] = blockIdx.x | ((unsigned long long)warp << 16) |                     \
+                       ((unsigned long long)smid << 24);                                   \
+                r[2] = tr_0, r[3] = tr_1, r[4] = tr_2, r[5] = tr_f, r[6] = mvq_gtimer();    \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+#else
+#define MVQ_TR(name)
+#define MVQ_TR_FIRST()
+#define MVQ_TR_END()
+#endif
+
 // one token's quantized x in shared memory
 struct XQ {
     const signed char* q;  // k codes
@@ -614,6 +654,10 @@ __device__ __forceinline__ void mvq_body(
     const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
     const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at) {
     extern __shared__ int4 mvq_smem[];
+    MVQ_TR(tr_0);
+#if MVQ_TRACE
+    unsigned long long tr_f = 0;
+#endif
     __shared__ double red[W];
     __shared__ float s_scale[NT];
     __shared__ float2 s_cs[ROPE ? 128 : 1];  // RoPE: (cos, sin) of pair i of a head
@@ -687,6 +731,7 @@ __device__ __forceinline__ void mvq_body(
         }
     }
     pdl_wait();
+    MVQ_TR(tr_1);
     pdl_trigger_at(1, pdl_at);
 
     signed char* sq = (signed char*)mvq_smem;
@@ -773,6 +818,7 @@ __device__ __forceinline__ void mvq_body(
         }
     }
     __syncthreads();
+    MVQ_TR(tr_2);
 
     XQ x0 = {sq, sd, ss};
     const int crow = ROPE ? *ra.start : 0;
@@ -883,11 +929,13 @@ __device__ __forceinline__ void mvq_body(
                     acc_a[0] = acc_b[0] = 0.f;
                 }
                 it = it_n, jc = j_n;
+                MVQ_TR_FIRST();
                 return more;
             };
             while (step(pa, pb, qa, qb) && step(qa, qb, pa, pb)) {
             }
         }
+        MVQ_TR_END();
         pdl_trigger_at(2, pdl_at);
         return;
     }
@@ -899,6 +947,7 @@ __device__ __forceinline__ void mvq_body(
         j += job_step;
     }
     for (; j < n_jobs; j += job_step) run_job(job_at(j), BoolC<false>{});
+    MVQ_TR_END();
     pdl_trigger_at(2, pdl_at);
 }
 
