@@ -175,7 +175,7 @@ class _Kernels:
     __slots__ = (
         "matvec", "dequant", "dequant_h", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
         "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_few",
-        "module",
+        "module", "x_stage",
     )  # fmt: skip
 
     def __init__(self, matvec, dequant, dequant_h, get_rows):
@@ -190,6 +190,7 @@ class _Kernels:
         # rows of x at most -> the int8 kernel for them (matvec_q8_2, _4; matvec_q8 for 8)
         self.matvec_q8_few: dict[int, object] = {}
         self.module = None  # the RawModule they come from (its globals: diagnostic builds)
+        self.x_stage = False  # one-token x staged in shared memory (mmvq.cu's MVQ_X_TMA)
 
 
 class _Launch:
@@ -624,6 +625,11 @@ class CUDABackend(Backend):
                         if small is not None:
                             kernels.matvec_q8_small = small
                             kernels.mvq_small_warps = small.max_threads_per_block // 32
+                        try:  # defined only in builds with MVQ_X_TMA
+                            mod.get_global("mvq_x_stage")
+                            kernels.x_stage = True
+                        except cp.cuda.driver.CUDADriverError:
+                            pass
                     # x is staged in dynamic shared memory: allow more than 48 KiB
                     for kernel in (
                         kernels.matvec,
@@ -1531,6 +1537,11 @@ class CUDABackend(Backend):
             else:
                 kernel = kernels.matvec_q8_wide if k >= _MVQ_WIDE_K else kernels.matvec_q8_n1
             smem = _q8_smem(n, k)
+            if kernels.x_stage and n == 1:
+                # x (and the norm weights) staged after the codes (mmvq.cu, MVQ_X_TMA)
+                staged = (smem + 15) // 16 * 16 + 4 * k * (2 if norm else 1)
+                if staged <= self._mv_smem_limit():
+                    smem = staged
             args = []
             for i in range(3):
                 if i < len(mv.weights):

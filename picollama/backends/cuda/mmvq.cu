@@ -116,6 +116,63 @@
 #ifndef MVQ_TRACE
 #define MVQ_TRACE 0
 #endif
+// MVQ_X_TMA (off; for timing): a one-token launch copies x (and its norm weights) into
+// shared memory with one bulk copy each, by the bulk-copy engine rather than through the
+// warps' load queues, where run 29's trace saw x's loads wait 1.5-2.5 us a round trip
+// behind the weights the warps preloaded before the wait; then normalizes and quantizes x
+// from there. The host allocates the staging (mvq_x_stage: 4 k bytes, 8 k with a norm,
+// after the codes) where it fits; a launch without it reads x as before.
+#ifndef MVQ_X_TMA
+#define MVQ_X_TMA 0
+#endif
+#if MVQ_X_TMA
+__device__ int mvq_x_stage = 1;
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(p));
+    return s;
+}
+__device__ __forceinline__ u32 dynamic_smem_size() {
+    u32 s;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(s));
+    return s;
+}
+// an mbarrier of one arrival a phase (thread 0's, with the phase's byte count)
+__device__ __forceinline__ void bar_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+// until the phase of the given parity has completed (its bytes have landed)
+__device__ __forceinline__ void bar_wait(unsigned long long* bar, u32 parity) {
+    const u32 a = smem_u32(bar);
+    u32 done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(a), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
+                                          unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_u32(dst)),
+        "l"(src), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
+}
+#define MVQ_LDX(p) (*(p))  // x from shared memory (staged) or global memory (not)
+#else
+#define MVQ_LDX(p) __ldg(p)
+#endif
+
 #if MVQ_TRACE
 #define MVQ_TRACE_CAP 262144
 __device__ unsigned long long mvq_trace[MVQ_TRACE_CAP][7];
@@ -655,6 +712,21 @@ __device__ __forceinline__ void mvq_body(
     const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at) {
     extern __shared__ int4 mvq_smem[];
     MVQ_TR(tr_0);
+#if MVQ_X_TMA
+    // x's staging after the codes, scales and half sums (16-byte aligned), if allocated
+    __shared__ unsigned long long xbar;
+    const u32 x_off = (u32)(n * k + 12 * n * (k >> 5) + 15) & ~15u;
+    const u32 x_bytes = 4u * (u32)k * (norm ? 2u : 1u);
+    const bool x_tma = NT == 1 && x_off + x_bytes <= dynamic_smem_size() &&
+                       (((unsigned long long)x | (unsigned long long)norm_w) & 15) == 0;
+    float* const xs = (float*)((u8*)mvq_smem + x_off);
+    if (x_tma && threadIdx.x == 0) bar_init(&xbar);
+    const float* const xr = x_tma ? xs : x;
+    const float* const gr = x_tma ? xs + k : norm_w;
+#else
+    const float* const xr = x;
+    const float* const gr = norm_w;
+#endif
 #if MVQ_TRACE
     unsigned long long tr_f = 0;
 #endif
@@ -733,17 +805,28 @@ __device__ __forceinline__ void mvq_body(
     pdl_wait();
     MVQ_TR(tr_1);
     pdl_trigger_at(1, pdl_at);
+#if MVQ_X_TMA
+    if (x_tma) {
+        if (threadIdx.x == 0) {
+            bar_expect(&xbar, x_bytes);
+            bulk_copy(xs, x, 4u * (u32)k, &xbar);
+            if (norm) bulk_copy(xs + k, norm_w, 4u * (u32)k, &xbar);
+        }
+        __syncthreads();  // the barrier is initialized before anyone waits on it
+        bar_wait(&xbar, 0);
+    }
+#endif
 
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
     int* ss = (int*)(sd + n * nb32);
     if (norm) {
         for (int t = 0; t < n; t++) {
-            const float4* xt = (const float4*)(x + (i64)t * k);
+            const float4* xt = (const float4*)(xr + (i64)t * k);
             double acc = 0.0;
 #pragma unroll 4
             for (int j = threadIdx.x; j < k / 4; j += W * 32) {
-                float4 v = __ldg(xt + j);
+                float4 v = MVQ_LDX(xt + j);
                 acc += (double)v.x * v.x + (double)v.y * v.y;
                 acc += (double)v.z * v.z + (double)v.w * v.w;
             }
@@ -776,8 +859,8 @@ __device__ __forceinline__ void mvq_body(
             int t = in ? (4 * i4) / k : 0;
             int j = 4 * i4 - t * k;
             xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
-            if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
+            if (in) xv[r] = MVQ_LDX((const float4*)(xr + (i64)t * k + j));
+            if (in && norm) gv[r] = MVQ_LDX((const float4*)(gr + j));
         }
 #pragma unroll
         for (int r = 0; r < XB; r++) {
