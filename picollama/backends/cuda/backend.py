@@ -437,6 +437,22 @@ def _q8_smem(n: int, k: int) -> int:
     return n * k + n * (k // 32) * 4 + n * (k // 16) * 4
 
 
+def _q8_smem_staged(k: int, norm: bool) -> int:
+    """``_q8_smem`` of one token with x (and the norm weights) staged after the codes at a
+    16-byte boundary, as mmvq.cu's MVQ_X_TMA build lays them out."""
+    return (_q8_smem(1, k) + 15) // 16 * 16 + 4 * k * (2 if norm else 1)
+
+
+def _has_global(cp, mod, name: str) -> bool:
+    """Whether the compiled module ``mod`` defines the device variable ``name`` (a build
+    variant's marker)."""
+    try:
+        mod.get_global(name)
+    except cp.cuda.driver.CUDADriverError:
+        return False
+    return True
+
+
 class CUDABackend(Backend):
     """Runs the op interface on an NVIDIA GPU through CuPy.
 
@@ -625,11 +641,7 @@ class CUDABackend(Backend):
                         if small is not None:
                             kernels.matvec_q8_small = small
                             kernels.mvq_small_warps = small.max_threads_per_block // 32
-                        try:  # defined only in builds with MVQ_X_TMA
-                            mod.get_global("mvq_x_stage")
-                            kernels.x_stage = True
-                        except cp.cuda.driver.CUDADriverError:
-                            pass
+                        kernels.x_stage = _has_global(cp, mod, "mvq_x_stage")  # MVQ_X_TMA
                     # x is staged in dynamic shared memory: allow more than 48 KiB
                     for kernel in (
                         kernels.matvec,
@@ -1537,11 +1549,8 @@ class CUDABackend(Backend):
             else:
                 kernel = kernels.matvec_q8_wide if k >= _MVQ_WIDE_K else kernels.matvec_q8_n1
             smem = _q8_smem(n, k)
-            if kernels.x_stage and n == 1:
-                # x (and the norm weights) staged after the codes (mmvq.cu, MVQ_X_TMA)
-                staged = (smem + 15) // 16 * 16 + 4 * k * (2 if norm else 1)
-                if staged <= self._mv_smem_limit():
-                    smem = staged
+            if kernels.x_stage and n == 1 and _q8_smem_staged(k, norm) <= self._mv_smem_limit():
+                smem = _q8_smem_staged(k, norm)  # x staged too, where it fits
             args = []
             for i in range(3):
                 if i < len(mv.weights):
