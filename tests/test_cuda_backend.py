@@ -497,21 +497,27 @@ def test_int8_matvec_small_grid(be, qtype, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "qtype,k",
-    [(GGMLType.Q5_0, 576), (GGMLType.Q4_K, 2560), (GGMLType.Q4_K, 4096), (GGMLType.Q6_K, 4096)],
-    ids=["Q5_0-576", "Q4_K-2560", "Q4_K-4096", "Q6_K-4096"],
+    "qtype,k,m",
+    [
+        (GGMLType.Q5_0, 576, 1200),
+        (GGMLType.Q4_K, 2560, 1200),
+        (GGMLType.Q4_K, 4096, 1200),
+        (GGMLType.Q6_K, 4096, 1200),
+        (GGMLType.Q4_K, 4096, 5000),
+        (GGMLType.Q6_K, 2560, 5000),
+    ],
+    ids=["Q5_0-576", "Q4_K-2560", "Q4_K-4096", "Q6_K-4096", "Q4_K-4096-m5000", "Q6_K-2560-m5000"],
 )
-def test_int8_norm_one_token_equals_batch(be, qtype, k):
+def test_int8_norm_one_token_equals_batch(be, qtype, k, m):
     """A folded RMS norm: one token (matvec_q8_n1) against the same token as both rows of
     a two-token launch (matvec_q8), in blocks of as many warps: the same sum of squares in
     the same order, the same codes and the same dots, so the same bits (a way to change the
-    one-token prologue and check it, as run 13 did). k = 2560 leaves the second round of
-    16-warp blocks part empty; m = 1200 rows keep the one-token launch off the small grids'
-    8-warp blocks."""
+    one-token prologue and check it, as runs 13 and 30 did). k = 2560 leaves the second
+    round of 16-warp blocks part empty; m = 1200 rows keep the one-token launch off the
+    small grids' 8-warp blocks, and m = 5000 gives some warps a second job (of one row)."""
     from picollama.backends.cuda.backend import _Matvec
 
     rng = np.random.default_rng(77 + k)
-    m = 1200
     raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
     wt = be.weight("w", qtype, (k, m), raw)
     row = (3.0 * rng.standard_normal((1, k))).astype(np.float32)

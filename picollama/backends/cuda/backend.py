@@ -175,7 +175,7 @@ class _Kernels:
     __slots__ = (
         "matvec", "dequant", "dequant_h", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
         "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_few",
-        "module", "x_stage",
+        "module", "stage",
     )  # fmt: skip
 
     def __init__(self, matvec, dequant, dequant_h, get_rows):
@@ -190,7 +190,9 @@ class _Kernels:
         # rows of x at most -> the int8 kernel for them (matvec_q8_2, _4; matvec_q8 for 8)
         self.matvec_q8_few: dict[int, object] = {}
         self.module = None  # the RawModule they come from (its globals: diagnostic builds)
-        self.x_stage = False  # one-token x staged in shared memory (mmvq.cu's MVQ_X_TMA)
+        # one-token launches stage x and (units, bytes a warp's unit) of weights in shared
+        # memory (mmvq.cu's MVQ_STAGE); (0, 0) where not built
+        self.stage = (0, 0)
 
 
 class _Launch:
@@ -439,18 +441,19 @@ def _q8_smem(n: int, k: int) -> int:
 
 def _q8_smem_staged(k: int, norm: bool) -> int:
     """``_q8_smem`` of one token with x (and the norm weights) staged after the codes at a
-    16-byte boundary, as mmvq.cu's MVQ_X_TMA build lays them out."""
+    16-byte boundary, as mmvq.cu's MVQ_STAGE build lays them out (its weights' slots
+    follow)."""
     return (_q8_smem(1, k) + 15) // 16 * 16 + 4 * k * (2 if norm else 1)
 
 
-def _has_global(cp, mod, name: str) -> bool:
-    """Whether the compiled module ``mod`` defines the device variable ``name`` (a build
-    variant's marker)."""
+def _global_int(cp, mod, name: str) -> int:
+    """The int32 device variable ``name`` of the compiled module ``mod`` (a build variant's
+    marker), 0 where the build has none."""
     try:
-        mod.get_global(name)
+        ptr = mod.get_global(name)
     except cp.cuda.driver.CUDADriverError:
-        return False
-    return True
+        return 0
+    return int(cp.ndarray((1,), cp.int32, memptr=ptr).get()[0])
 
 
 class CUDABackend(Backend):
@@ -641,7 +644,10 @@ class CUDABackend(Backend):
                         if small is not None:
                             kernels.matvec_q8_small = small
                             kernels.mvq_small_warps = small.max_threads_per_block // 32
-                        kernels.x_stage = _has_global(cp, mod, "mvq_x_stage")  # MVQ_X_TMA
+                        kernels.stage = (
+                            _global_int(cp, mod, "mvq_stage_units"),  # MVQ_STAGE
+                            _global_int(cp, mod, "mvq_stage_unit"),
+                        )
                     # x is staged in dynamic shared memory: allow more than 48 KiB
                     for kernel in (
                         kernels.matvec,
@@ -653,6 +659,13 @@ class CUDABackend(Backend):
                     ):
                         if kernel is not None:
                             kernel.max_dynamic_shared_size_bytes = self._mv_smem_limit()
+                    if kernels.stage[0]:  # the one-token kernels' staged weights
+                        for kernel in (
+                            kernels.matvec_q8_n1,
+                            kernels.matvec_q8_wide,
+                            kernels.matvec_q8_rope,
+                        ):
+                            kernel.max_dynamic_shared_size_bytes = self._stage_smem_limit()
             except cp.cuda.compiler.CompileException as err:
                 raise BackendError(
                     f"the CUDA kernels for {qtype.name} did not compile: {err}"
@@ -662,6 +675,11 @@ class CUDABackend(Backend):
 
     def _mv_smem_limit(self) -> int:
         return min(_MV_SMEM_LIMIT, self._smem_optin - 1024)
+
+    def _stage_smem_limit(self) -> int:
+        """Dynamic shared memory of a staging one-token launch (MVQ_STAGE) at most: the
+        opt-in limit less the kernels' static shared memory (the RoPE kernel's 1168 bytes)."""
+        return self._smem_optin - 2048
 
     def _launch(self, kernel, grid, block, args, shared_mem=0):
         """Launch on the backend's stream (the caller holds ``with self._stream``)."""
@@ -1549,8 +1567,6 @@ class CUDABackend(Backend):
             else:
                 kernel = kernels.matvec_q8_wide if k >= _MVQ_WIDE_K else kernels.matvec_q8_n1
             smem = _q8_smem(n, k)
-            if kernels.x_stage and n == 1 and _q8_smem_staged(k, norm) <= self._mv_smem_limit():
-                smem = _q8_smem_staged(k, norm)  # x staged too, where it fits
             args = []
             for i in range(3):
                 if i < len(mv.weights):
@@ -1592,6 +1608,13 @@ class CUDABackend(Backend):
                 # idle (so the trigger point stays the same, _pdl_at). The 135M's ffn_down:
                 # 18 blocks of 16 warps -> 36 of 8; none of the 8B's matvecs.
                 kernel, warps = small, kernels.mvq_small_warps
+            units, unit_bytes = kernels.stage
+            if units and n == 1 and kernel is not small:
+                # x and up to `units` units a warp staged (MVQ_STAGE), as many as fit
+                staged = _q8_smem_staged(k, norm)
+                limit = self._stage_smem_limit()
+                if staged + warps * unit_bytes <= limit:
+                    smem = min(staged + units * warps * unit_bytes, limit)
             rows_per_block = warps * per_warp
             threads = warps * 32
         else:
