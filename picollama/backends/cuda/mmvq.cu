@@ -133,6 +133,12 @@
 #ifndef MVQ_STAGE
 #define MVQ_STAGE 0
 #endif
+// MVQ_STAGE_PRE: of those P units, how many go out before the dependent-launch wait (ahead
+// of x's copies, which then wait behind them too; a launch that enters early, as
+// attn_output during the attention, gets its weights in flight sooner)
+#ifndef MVQ_STAGE_PRE
+#define MVQ_STAGE_PRE 0
+#endif
 #if MVQ_STAGE && !(((defined(QTYPE_Q4_K) && MVQ_Q4K_PAIR) || (defined(QTYPE_Q6_K) && MVQ_Q6K_PAIR)) && \
                    MVQ_PIPE && MVQ_PRELOAD)
 #undef MVQ_STAGE
@@ -888,27 +894,19 @@ __device__ __forceinline__ void mvq_body(
             s_cs[i] = make_float2((float)cos((double)angle), (float)sin((double)angle));
         }
     }
-    pdl_wait();
-    MVQ_TR(tr_1);
-    pdl_trigger_at(1, pdl_at);
 #if MVQ_STAGE
-    // x's copies first, then units 1..n_stage of the warp (one group each, empty where the
-    // warp has no such unit, so that every thread counts the same groups)
+    // units 1..n_stage of the warp into its slots by cp.async: the first n_pre of them now,
+    // before the wait (weights only), the rest after x's copies
     const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
-    if (staged_x) {
-        const float4* x4 = (const float4*)x;
-        const float4* g4 = (const float4*)norm_w;
-        for (int j = threadIdx.x; j < k / 4; j += W * 32) {
-            cp_async16(xs + 4 * j, x4 + j);
-            if (norm) cp_async16(xs + k + 4 * j, g4 + j);
-        }
-        cp_async_commit();
-        int js = row_first, its = 0;
-        for (int s = 0; s < n_stage; s++) {
+    const int n_pre = min(MVQ_STAGE_PRE, n_stage);
+    int js = row_first, its = 0, n_staged = 0;  // the last unit staged and its number
+    auto stage_units = [&](int upto) {
+        for (; n_staged < upto; n_staged++) {
             if (++its == n_it) its = 0, js += job_step;
             if (have_first && js < n_jobs) {
                 const Job jn = job_at(js);
-                u8* slot = (u8*)mvq_smem + u_off + (u32)(warp * n_stage + s) * MVQ_STAGE_UNIT;
+                u8* slot =
+                    (u8*)mvq_smem + u_off + (u32)(warp * n_stage + n_staged) * MVQ_STAGE_UNIT;
                 const int c = lane + 32 * QD::UNROLL * its;
                 if (cpr % (32 * QD::UNROLL) == 0 && jn.two)  // as with_all (below)
                     stage_iter<true>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, true, cpr, c, slot, lane);
@@ -917,7 +915,25 @@ __device__ __forceinline__ void mvq_body(
             }
             cp_async_commit();
         }
-        cp_async_wait(n_stage);  // x's group is in (the thread's own copies)
+    };
+    stage_units(n_pre);
+#endif
+    pdl_wait();
+    MVQ_TR(tr_1);
+    pdl_trigger_at(1, pdl_at);
+#if MVQ_STAGE
+    // x's copies, then the warp's units left to stage (one group each, empty where the
+    // warp has no such unit, so that every thread counts the same groups)
+    if (staged_x) {
+        const float4* x4 = (const float4*)x;
+        const float4* g4 = (const float4*)norm_w;
+        for (int j = threadIdx.x; j < k / 4; j += W * 32) {
+            cp_async16(xs + 4 * j, x4 + j);
+            if (norm) cp_async16(xs + k + 4 * j, g4 + j);
+        }
+        cp_async_commit();
+        stage_units(n_stage);
+        cp_async_wait(n_stage - n_pre);  // x's group is in (the thread's own copies)
     }
 #endif
 
