@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 
+from picollama.backends.base import Backend, gpu_layers_backend
 from picollama.generation import Context
 from picollama.sampling.samplers import DEFAULT_SEED, Sampler, SamplingParams
 from picollama.sampling.stop import StopStrings
@@ -33,8 +35,10 @@ class Llama:
         n_ctx: int = 4096,
         n_batch: int = 512,
         n_threads: int | None = None,
-        backend: str = "cpu",
+        backend: str | Backend | None = None,
         device: int | str | None = None,
+        n_gpu_layers: int = 0,
+        main_gpu: int = 0,
         seed: int = DEFAULT_SEED,
         chat_template: str | None = None,
         verbose: bool = False,
@@ -47,8 +51,14 @@ class Llama:
         lora_path: str | os.PathLike | None = None,
         lora_scale: float = 1.0,
     ):
-        """``device`` picks the device of the cuda backend (a GPU index) or the opencl one (an
-        index, ``"platform:device"`` or a name); None: the backend's default.
+        """``backend`` is "cpu" (the default), "cuda", "opencl" or a backend made by the
+        caller. ``device`` picks the device of the cuda backend (a GPU index) or the opencl
+        one (an index, ``"platform:device"`` or a name); None: the backend's default.
+        ``n_gpu_layers`` (llama-cpp-python's; -1 for all) other than 0 runs the model on a
+        GPU, CUDA else OpenCL, where ``backend`` names none: picollama puts every layer there
+        rather than splitting the model. Without a usable GPU it runs on the CPU with a
+        ``RuntimeWarning`` that says why. ``main_gpu`` is the GPU index where ``device`` is not
+        given.
 
         Speculative decoding (``picollama.speculative``): ``draft_model`` is a draft GGUF
         (path or built-in name) with the target's vocabulary, or a drafter such as
@@ -59,8 +69,16 @@ class Llama:
         LoRA (``picollama.lora``): ``lora_adapters`` is a list of ``(path, scale)`` GGUF
         adapters, applied together; ``lora_path``/``lora_scale`` (llama-cpp-python's
         spelling) add one more. ``set_lora_adapters`` changes the scales without reloading."""
-        if device is not None:
-            backend = _backend_on_device(backend, device, n_threads)
+        if device is None and main_gpu:
+            device = main_gpu
+        if backend is None or isinstance(backend, str):
+            backend, notice = gpu_layers_backend(
+                n_gpu_layers, backend, device=device, n_threads=n_threads
+            )
+            if notice:
+                warnings.warn(notice, RuntimeWarning, stacklevel=2)
+            if isinstance(backend, str) and device is not None:
+                backend = _backend_on_device(backend, device, n_threads)
         self.ctx = Context(
             model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, backend=backend
         )

@@ -34,6 +34,7 @@ __all__ = [
     "BACKENDS",
     "get_backend",
     "available_backends",
+    "gpu_layers_backend",
 ]
 
 Array = Any  # the backend's own array type
@@ -346,3 +347,62 @@ def get_backend(name: str = "cpu", **options) -> Backend:
             f"backend '{name}' needs the Python package '{err.name}', which is not installed"
         ) from None
     return getattr(module, class_name)(**options)
+
+
+# the GPU backends that -ngl / n_gpu_layers tries, in order
+GPU_BACKENDS = ("cuda", "opencl")
+
+
+def gpu_layers_backend(
+    n_gpu_layers: int | None,
+    backend: str | None = None,
+    *,
+    device: int | str | None = None,
+    n_threads: int | None = None,
+) -> tuple[str | Backend, str | None]:
+    """The backend that llama.cpp's ``-ngl N`` (llama-cpp-python's ``n_gpu_layers``) asks
+    for, and a notice for the user (None when there is nothing to say).
+
+    picollama runs a model wholly on one backend: no layers (0, or None: not asked) means
+    ``backend`` (default the CPU); any other count (-1 or 99 for all, as the llama.cpp
+    habit is, or fewer) puts every layer on a GPU: ``backend`` where one is named, else
+    the CUDA backend where it starts (created here, on ``device``), else OpenCL where its
+    device is a GPU. With no usable GPU the model runs on the CPU and the notice says why,
+    as llama.cpp ignores -ngl without one; with ``backend="cpu"`` named, -ngl is ignored."""
+    if not n_gpu_layers:
+        return backend or "cpu", None
+    if backend == "cpu":
+        return "cpu", "-ngl (n_gpu_layers) is ignored: the cpu backend was asked for"
+    if backend is not None:
+        return backend, None
+    why = []
+    for name in GPU_BACKENDS:
+        if name == "opencl" and device is None:
+            missing = _opencl_gpu_missing()
+            if missing:
+                why.append(f"opencl: {missing}")
+                continue
+        options = {"n_threads": n_threads}
+        if device is not None:
+            options["device"] = device
+        try:
+            return get_backend(name, **options), None
+        except BackendError as err:
+            why.append(f"{name}: {err}")
+    reasons = "; ".join(why)
+    return "cpu", f"no usable GPU found, so -ngl is ignored and the cpu backend runs ({reasons})"
+
+
+def _opencl_gpu_missing() -> str | None:
+    """Why the OpenCL backend's default device is not a GPU here (None: it is one)."""
+    try:
+        import pyopencl as cl
+    except ImportError:
+        return "PyOpenCL is not installed"
+    from picollama.backends.opencl.device import select_device
+
+    try:
+        info = select_device(cl, None)
+    except BackendError as err:
+        return str(err)
+    return None if info.kind != "CPU" else f"its device here is a CPU ({info.label})"

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from picollama.tools.cli import add_repack_arg, backend_choice
+from picollama.tools.cli import add_backend_args, add_repack_arg, backend_choice
 
 __all__ = ["main", "measure_bandwidth"]
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-b", "--batch-size", type=int, default=512)
-    p.add_argument("--backend", default="cpu")
+    add_backend_args(p)
     add_repack_arg(p)
     p.add_argument(
         "--vs-llama-cpp",

@@ -136,9 +136,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt batch size")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
-    p.add_argument("--backend", default="cpu", help="cpu, cuda or opencl")
+    add_backend_args(p)
     add_repack_arg(p)
     add_lora_args(p)
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    """--backend and llama.cpp's -ngl (backend_choice reads them)."""
+    p.add_argument(
+        "--backend", default=None, help="cpu, cuda or opencl (default: cpu; with -ngl, a GPU)"
+    )
+    p.add_argument(
+        "-ngl",
+        "--gpu-layers",
+        "--n-gpu-layers",
+        dest="n_gpu_layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="as llama.cpp's: any N but 0 runs the model on a GPU (cuda, else an OpenCL GPU; "
+        "picollama puts all layers there, it does not split a model); no GPU: the cpu",
+    )
 
 
 def add_repack_arg(p: argparse.ArgumentParser) -> None:
@@ -154,11 +172,23 @@ def add_repack_arg(p: argparse.ArgumentParser) -> None:
 
 
 def backend_choice(args):
-    """``args.backend``, or for --no-repack a CPU backend made without repacking."""
-    if not getattr(args, "no_repack", False):
-        return args.backend
-    from picollama.backends.base import BackendError, get_backend
+    """The backend that --backend and -ngl ask for (a name, or a backend made here: the GPU
+    that -ngl found, or for --no-repack a CPU backend made without repacking). A notice,
+    such as -ngl without a usable GPU, goes to stderr; ``args.backend`` is set to the
+    backend's name."""
+    from picollama.backends.base import BackendError, get_backend, gpu_layers_backend
 
+    backend, notice = gpu_layers_backend(
+        getattr(args, "n_gpu_layers", None),
+        args.backend,
+        device=getattr(args, "device", None),
+        n_threads=args.threads,
+    )
+    if notice:
+        print(f"warning: {notice}", file=sys.stderr)
+    args.backend = backend if isinstance(backend, str) else backend.name
+    if not getattr(args, "no_repack", False):
+        return backend
     if args.backend != "cpu":
         raise BackendError(f"--no-repack is a cpu backend flag, not {args.backend}'s")
     return get_backend("cpu", n_threads=args.threads, repack=False)

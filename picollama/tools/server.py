@@ -15,7 +15,13 @@ import signal
 import sys
 import threading
 
-from picollama.tools.cli import add_lora_args, add_repack_arg, backend_choice, lora_specs
+from picollama.tools.cli import (
+    add_backend_args,
+    add_lora_args,
+    add_repack_arg,
+    backend_choice,
+    lora_specs,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -43,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt chunk per step")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
-    p.add_argument("--backend", default="cpu", help="cpu, cuda or opencl")
+    add_backend_args(p)
     add_repack_arg(p)
     p.add_argument(
         "--queue-size",

@@ -1,0 +1,143 @@
+"""llama.cpp's -ngl and llama-cpp-python's n_gpu_layers: which backend they pick, on this
+machine and with the GPU backends' availability made up."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+from conftest import SMOLLM2
+
+from picollama.backends import base
+from picollama.backends.base import BackendError, gpu_layers_backend
+
+
+class _Made:
+    """Stands for a backend that get_backend made."""
+
+    def __init__(self, name, options):
+        self.name = name
+        self.options = options
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """get_backend and the OpenCL probe made up: ``fake_gpus["cuda"]`` /
+    ``fake_gpus["opencl"]`` is None (it starts) or why it cannot."""
+    state = {"cuda": "no GPU in this made-up machine", "opencl": "its device here is a CPU"}
+    calls = []
+    real_get_backend = base.get_backend
+
+    def fake_get_backend(name="cpu", **options):
+        if name not in base.GPU_BACKENDS:
+            return real_get_backend(name, **options)
+        calls.append((name, options))
+        if state[name] is not None:
+            raise BackendError(state[name])
+        return _Made(name, options)
+
+    monkeypatch.setattr(base, "get_backend", fake_get_backend)
+    monkeypatch.setattr(base, "_opencl_gpu_missing", lambda: state["opencl"])
+    state["calls"] = calls
+    return state
+
+
+def test_no_layers_keeps_the_backend_asked_for(fake_gpus):
+    assert gpu_layers_backend(0, None) == ("cpu", None)
+    assert gpu_layers_backend(None, None) == ("cpu", None)
+    assert gpu_layers_backend(0, "opencl") == ("opencl", None)
+    assert fake_gpus["calls"] == []  # nothing is probed
+
+
+def test_layers_with_a_named_backend(fake_gpus):
+    assert gpu_layers_backend(99, "cuda") == ("cuda", None)
+    backend, notice = gpu_layers_backend(-1, "cpu")
+    assert backend == "cpu" and "ignored" in notice and "cpu backend was asked for" in notice
+    assert fake_gpus["calls"] == []
+
+
+def test_layers_take_cuda_first(fake_gpus):
+    fake_gpus["cuda"] = None
+    backend, notice = gpu_layers_backend(99, None, device=1, n_threads=3)
+    assert notice is None and backend.name == "cuda"
+    assert backend.options == {"n_threads": 3, "device": 1}
+
+
+def test_layers_take_an_opencl_gpu_when_cuda_cannot(fake_gpus):
+    fake_gpus["opencl"] = None
+    backend, notice = gpu_layers_backend(20, None)
+    assert notice is None and backend.name == "opencl"
+    assert [name for name, _ in fake_gpus["calls"]] == ["cuda", "opencl"]
+
+
+def test_layers_without_a_gpu_run_on_the_cpu_and_say_why(fake_gpus):
+    backend, notice = gpu_layers_backend(99, None)
+    assert backend == "cpu"
+    assert notice.startswith("no usable GPU found")
+    assert "cuda: no GPU in this made-up machine" in notice
+    assert "opencl: its device here is a CPU" in notice
+    # an OpenCL device that is only a CPU is not even built (PoCL's programs take time)
+    assert [name for name, _ in fake_gpus["calls"]] == ["cuda"]
+
+
+def test_backend_choice_reads_ngl(fake_gpus, capsys):
+    from picollama.tools.cli import add_model_args, backend_choice
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = p.parse_args(["-ngl", "99", "-t", "2"])
+    assert backend_choice(args) == "cpu" and args.backend == "cpu"
+    assert capsys.readouterr().err.startswith("warning: no usable GPU found")
+    fake_gpus["cuda"] = None
+    args = p.parse_args(["--n-gpu-layers", "99"])
+    chosen = backend_choice(args)
+    assert chosen.name == "cuda" and args.backend == "cuda"
+    assert capsys.readouterr().err == ""
+    with pytest.raises(BackendError, match="--no-repack is a cpu backend flag"):
+        backend_choice(p.parse_args(["-ngl", "99", "-nr"]))
+
+
+@pytest.mark.model
+def test_llama_n_gpu_layers_without_a_gpu_warns_and_runs(fake_gpus, smollm2_path):
+    from picollama import Llama
+
+    with pytest.warns(RuntimeWarning, match="no usable GPU found"):
+        llm = Llama(smollm2_path, n_ctx=64, n_threads=2, n_gpu_layers=-1)
+    with llm:
+        assert llm.ctx.backend.name == "cpu"
+        out = llm("The capital of France is", max_tokens=3, temperature=0)
+        assert "Paris" in out["choices"][0]["text"]
+
+
+@pytest.mark.model
+def test_cli_takes_ngl(smollm2_path):
+    """`picollama-cli -ngl 99` (a llama.cpp habit) runs, on a GPU where there is one and
+    with a one-line warning on the CPU where there is none; before -ngl existed argparse
+    read it as -n gl."""
+    r = subprocess.run(
+        [sys.executable, "-m", "picollama.tools.cli", "-m", SMOLLM2, "-ngl", "99"]
+        + ["-p", "The capital of France is", "-n", "4", "--temp", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of France is Paris")
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) <= 1
+    for line in warnings:
+        assert "no usable GPU found" in line and "cuda:" in line
+
+
+def test_server_takes_ngl(fake_gpus):
+    """llama-server's -ngl: the server's flags reach the same choice."""
+    from picollama.tools.cli import backend_choice
+    from picollama.tools.server import build_parser
+
+    args = build_parser().parse_args(["-ngl", "99", "-np", "2"])
+    assert args.n_gpu_layers == 99 and args.parallel == 2
+    fake_gpus["cuda"] = None
+    assert backend_choice(args).name == "cuda"
