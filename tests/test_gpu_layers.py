@@ -141,3 +141,11 @@ def test_server_takes_ngl(fake_gpus):
     assert args.n_gpu_layers == 99 and args.parallel == 2
     fake_gpus["cuda"] = None
     assert backend_choice(args).name == "cuda"
+
+
+@pytest.mark.parametrize("device", ["pocl", 1.5, True])
+def test_cuda_device_is_a_gpu_index(device):
+    """--device pocl meant for OpenCL reaches the CUDA backend under -ngl: a BackendError
+    that names it (the next GPU backend is tried), not a TypeError from a comparison."""
+    with pytest.raises(BackendError, match="device is a GPU index"):
+        base.get_backend("cuda", device=device)

@@ -486,6 +486,11 @@ class CUDABackend(Backend):
         if arithmetic not in ARITHMETICS:
             raise BackendError(f"unknown CUDA arithmetic '{arithmetic}' (ggml or exact)")
         self.arithmetic = arithmetic
+        if isinstance(device, str) and device.strip().isdigit():
+            device = int(device)
+        if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
+            raise BackendError(f"the CUDA backend's device is a GPU index, not {device!r}")
+        device = int(device)
         cp = _import_cupy()
         self.cp = cp
         from cupy_backends.cuda.libs import cublas
