@@ -149,3 +149,21 @@ def test_cuda_device_is_a_gpu_index(device):
     that names it (the next GPU backend is tried), not a TypeError from a comparison."""
     with pytest.raises(BackendError, match="device is a GPU index"):
         base.get_backend("cuda", device=device)
+
+
+def test_flash_attn_flag_is_accepted(capsys):
+    """llama.cpp's -fa [on|off|auto]: bare -fa once read as -f a (a prompt file "a");
+    off is answered with a warning, since every backend's attention is flash-style."""
+    from picollama.tools.cli import add_model_args, backend_choice
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    for argv, value in ((["-fa"], "on"), (["-fa", "auto"], "auto"), ([], "auto")):
+        args = p.parse_args(argv)
+        assert args.flash_attn == value
+        assert backend_choice(args) == "cpu"
+        assert capsys.readouterr().err == ""
+    backend_choice(p.parse_args(["--flash-attn", "off"]))
+    assert "-fa off is ignored" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        p.parse_args(["-fa", "sometimes"])

@@ -142,7 +142,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
-    """--backend and llama.cpp's -ngl (backend_choice reads them)."""
+    """--backend and llama.cpp's -ngl and -fa (backend_choice reads them)."""
     p.add_argument(
         "--backend", default=None, help="cpu, cuda or opencl (default: cpu; with -ngl, a GPU)"
     )
@@ -156,6 +156,17 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="as llama.cpp's: any N but 0 runs the model on a GPU (cuda, else an OpenCL GPU; "
         "picollama puts all layers there, it does not split a model); no GPU: the cpu",
+    )
+    p.add_argument(
+        "-fa",
+        "--flash-attn",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("on", "off", "auto", "1", "0"),
+        metavar="on|off|auto",
+        help="as llama.cpp's; picollama's attention is always flash attention (keys streamed "
+        "with an online softmax, as ggml's flash-attention arithmetic), so off is ignored",
     )
 
 
@@ -186,6 +197,8 @@ def backend_choice(args):
     )
     if notice:
         print(f"warning: {notice}", file=sys.stderr)
+    if getattr(args, "flash_attn", None) in ("off", "0"):
+        print("warning: -fa off is ignored: picollama always uses flash attention", file=sys.stderr)
     args.backend = backend if isinstance(backend, str) else backend.name
     if not getattr(args, "no_repack", False):
         return backend
