@@ -16,7 +16,7 @@ import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 
-from picollama.backends.base import Backend, gpu_layers_backend
+from picollama.backends.base import Backend, backend_on_device, gpu_layers_backend
 from picollama.generation import Context
 from picollama.sampling.samplers import DEFAULT_SEED, Sampler, SamplingParams
 from picollama.sampling.stop import StopStrings
@@ -78,7 +78,7 @@ class Llama:
             if notice:
                 warnings.warn(notice, RuntimeWarning, stacklevel=2)
             if isinstance(backend, str) and device is not None:
-                backend = _backend_on_device(backend, device, n_threads)
+                backend = backend_on_device(backend, device, n_threads)
         self.ctx = Context(
             model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, backend=backend
         )
@@ -451,22 +451,6 @@ class LlamaPromptLookupDecoding(LookupDrafter):
     def __init__(self, max_ngram_size: int = 2, num_pred_tokens: int = 10):
         super().__init__(max_ngram_size)
         self.num_pred_tokens = int(num_pred_tokens)
-
-
-def _backend_on_device(name: str, device: int | str, n_threads: int | None):
-    """Backend ``name`` created on ``device`` (a digit string counts as an index)."""
-    from picollama.backends.base import BackendError, get_backend
-
-    if isinstance(device, str) and device.strip().isdigit():
-        device = int(device)
-    try:
-        return get_backend(name, n_threads=n_threads, device=device)
-    except TypeError as err:
-        if "device" not in str(err):
-            raise
-        raise BackendError(
-            f"the {name} backend has no devices to pick (device={device!r})"
-        ) from None
 
 
 def _request_grammar(grammar, response_format):

@@ -167,3 +167,20 @@ def test_flash_attn_flag_is_accepted(capsys):
     assert "-fa off is ignored" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         p.parse_args(["-fa", "sometimes"])
+
+
+def test_main_gpu_and_device_pick_the_gpu(fake_gpus, capsys):
+    """-mg INDEX (llama.cpp's) and --device, in every model-loading tool's flags; a device
+    asked for with -ngl where no GPU starts goes with the GPU, not into an error."""
+    from picollama.tools.cli import add_model_args, backend_choice
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert backend_choice(p.parse_args(["-ngl", "99", "-mg", "1"])) == "cpu"
+    assert "no usable GPU" in capsys.readouterr().err
+    fake_gpus["cuda"] = None
+    assert backend_choice(p.parse_args(["-ngl", "99", "-mg", "1"])).options["device"] == 1
+    chosen = backend_choice(p.parse_args(["--backend", "cuda", "--device", "2", "-mg", "1"]))
+    assert chosen.name == "cuda" and chosen.options["device"] == 2  # --device first
+    with pytest.raises(BackendError, match="cpu backend has no devices"):
+        backend_choice(p.parse_args(["--backend", "cpu", "--device", "1"]))

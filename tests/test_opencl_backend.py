@@ -143,14 +143,14 @@ def test_device_selection(be_default, monkeypatch):
 
 
 def test_device_option_reaches_the_backend(be_default):
-    from picollama.api import _backend_on_device
+    from picollama.backends.base import backend_on_device
 
     name = be_default.info.name
-    backend = _backend_on_device("opencl", name, None)
+    backend = backend_on_device("opencl", name, None)
     assert backend.info.name == name
-    assert _backend_on_device("opencl", "0", None).info.label  # a digit string: an index
+    assert backend_on_device("opencl", "0", None).info.label  # a digit string: an index
     with pytest.raises(BackendError, match="no devices to pick"):
-        _backend_on_device("cpu", "0", None)
+        backend_on_device("cpu", "0", None)
 
 
 # -- quantized weights ----------------------------------------------------------------------

@@ -34,6 +34,7 @@ __all__ = [
     "BACKENDS",
     "get_backend",
     "available_backends",
+    "backend_on_device",
     "gpu_layers_backend",
 ]
 
@@ -347,6 +348,20 @@ def get_backend(name: str = "cpu", **options) -> Backend:
             f"backend '{name}' needs the Python package '{err.name}', which is not installed"
         ) from None
     return getattr(module, class_name)(**options)
+
+
+def backend_on_device(name: str, device: int | str, n_threads: int | None = None) -> Backend:
+    """Backend ``name`` created on ``device`` (a digit string counts as an index)."""
+    if isinstance(device, str) and device.strip().isdigit():
+        device = int(device)
+    try:
+        return get_backend(name, n_threads=n_threads, device=device)
+    except TypeError as err:
+        if "device" not in str(err):
+            raise
+        raise BackendError(
+            f"the {name} backend has no devices to pick (device={device!r})"
+        ) from None
 
 
 # the GPU backends that -ngl / n_gpu_layers tries, in order

@@ -158,6 +158,20 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
         "picollama puts all layers there, it does not split a model); no GPU: the cpu",
     )
     p.add_argument(
+        "--device",
+        default=None,
+        help="cuda: GPU index; opencl: device index, PLATFORM:DEVICE or a name such as pocl "
+        "(default: PYOPENCL_CTX, else the first GPU, else the first device)",
+    )
+    p.add_argument(
+        "-mg",
+        "--main-gpu",
+        type=int,
+        default=None,
+        metavar="INDEX",
+        help="as llama.cpp's: the GPU to run on, where --device does not say",
+    )
+    p.add_argument(
         "-fa",
         "--flash-attn",
         nargs="?",
@@ -183,22 +197,31 @@ def add_repack_arg(p: argparse.ArgumentParser) -> None:
 
 
 def backend_choice(args):
-    """The backend that --backend and -ngl ask for (a name, or a backend made here: the GPU
-    that -ngl found, or for --no-repack a CPU backend made without repacking). A notice,
-    such as -ngl without a usable GPU, goes to stderr; ``args.backend`` is set to the
+    """The backend that --backend, -ngl and --device / -mg ask for: a name, or a backend made
+    here (the GPU that -ngl found, one on the device asked for, or for --no-repack a CPU
+    backend made without repacking). A notice, such as -ngl without a usable GPU (then the
+    device is dropped with the GPU), goes to stderr; ``args.backend`` is set to the
     backend's name."""
-    from picollama.backends.base import BackendError, get_backend, gpu_layers_backend
+    from picollama.backends.base import (
+        BackendError,
+        backend_on_device,
+        get_backend,
+        gpu_layers_backend,
+    )
 
+    device = getattr(args, "device", None)
+    if device is None:
+        device = getattr(args, "main_gpu", None)
     backend, notice = gpu_layers_backend(
-        getattr(args, "n_gpu_layers", None),
-        args.backend,
-        device=getattr(args, "device", None),
-        n_threads=args.threads,
+        getattr(args, "n_gpu_layers", None), args.backend, device=device, n_threads=args.threads
     )
     if notice:
         print(f"warning: {notice}", file=sys.stderr)
+        device = None
     if getattr(args, "flash_attn", None) in ("off", "0"):
         print("warning: -fa off is ignored: picollama always uses flash attention", file=sys.stderr)
+    if isinstance(backend, str) and device is not None:
+        backend = backend_on_device(backend, device, args.threads)
     args.backend = backend if isinstance(backend, str) else backend.name
     if not getattr(args, "no_repack", False):
         return backend
@@ -242,12 +265,6 @@ def lora_specs(args: argparse.Namespace) -> list[tuple[str, float]]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="picollama-cli", description=__doc__.split("\n")[0])
     add_model_args(p)
-    p.add_argument(
-        "--device",
-        default=None,
-        help="cuda: GPU index; opencl: device index, PLATFORM:DEVICE or a name such as pocl "
-        "(default: PYOPENCL_CTX, else the first GPU, else the first device)",
-    )
     p.add_argument("-p", "--prompt", default=None, help="prompt text")
     p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
     p.add_argument(
@@ -541,7 +558,6 @@ def main(argv: list[str] | None = None) -> int:
             n_batch=args.batch_size,
             n_threads=args.threads,
             backend=backend_choice(args),
-            device=args.device,
             seed=args.seed,
             chat_template=args.chat_template,
             lora_adapters=adapters,
