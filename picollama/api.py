@@ -39,6 +39,7 @@ class Llama:
         device: int | str | None = None,
         n_gpu_layers: int = 0,
         main_gpu: int = 0,
+        flash_attn: bool | None = None,
         seed: int = DEFAULT_SEED,
         chat_template: str | None = None,
         verbose: bool = False,
@@ -58,7 +59,8 @@ class Llama:
         GPU, CUDA else OpenCL, where ``backend`` names none: picollama puts every layer there
         rather than splitting the model. Without a usable GPU it runs on the CPU with a
         ``RuntimeWarning`` that says why. ``main_gpu`` is the GPU index where ``device`` is not
-        given.
+        given. Attention is always flash attention (keys streamed with an online softmax),
+        so ``flash_attn=True`` changes nothing and ``False`` gets a ``RuntimeWarning``.
 
         Speculative decoding (``picollama.speculative``): ``draft_model`` is a draft GGUF
         (path or built-in name) with the target's vocabulary, or a drafter such as
@@ -69,14 +71,21 @@ class Llama:
         LoRA (``picollama.lora``): ``lora_adapters`` is a list of ``(path, scale)`` GGUF
         adapters, applied together; ``lora_path``/``lora_scale`` (llama-cpp-python's
         spelling) add one more. ``set_lora_adapters`` changes the scales without reloading."""
-        if device is None and main_gpu:
-            device = main_gpu
+        if device is None and main_gpu and (n_gpu_layers or backend not in (None, "cpu")):
+            device = main_gpu  # the GPU's index, where one is asked for
+        if flash_attn is False:
+            warnings.warn(
+                "flash_attn=False is ignored: picollama always uses flash attention",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if backend is None or isinstance(backend, str):
             backend, notice = gpu_layers_backend(
                 n_gpu_layers, backend, device=device, n_threads=n_threads
             )
             if notice:
                 warnings.warn(notice, RuntimeWarning, stacklevel=2)
+                device = None  # it was the GPU's
             if isinstance(backend, str) and device is not None:
                 backend = backend_on_device(backend, device, n_threads)
         self.ctx = Context(

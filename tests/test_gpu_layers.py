@@ -104,7 +104,7 @@ def test_llama_n_gpu_layers_without_a_gpu_warns_and_runs(fake_gpus, smollm2_path
     from picollama import Llama
 
     with pytest.warns(RuntimeWarning, match="no usable GPU found"):
-        llm = Llama(smollm2_path, n_ctx=64, n_threads=2, n_gpu_layers=-1)
+        llm = Llama(smollm2_path, n_ctx=64, n_threads=2, n_gpu_layers=-1, main_gpu=1)
     with llm:
         assert llm.ctx.backend.name == "cpu"
         out = llm("The capital of France is", max_tokens=3, temperature=0)
@@ -184,3 +184,17 @@ def test_main_gpu_and_device_pick_the_gpu(fake_gpus, capsys):
     assert chosen.name == "cuda" and chosen.options["device"] == 2  # --device first
     with pytest.raises(BackendError, match="cpu backend has no devices"):
         backend_choice(p.parse_args(["--backend", "cpu", "--device", "1"]))
+
+
+@pytest.mark.model
+def test_llama_takes_flash_attn_and_main_gpu(smollm2_path, recwarn):
+    """llama-cpp-python's flash_attn and main_gpu keywords: accepted; flash_attn=False
+    warns, since the attention is always flash-style; main_gpu alone (no GPU asked for)
+    changes nothing on the CPU."""
+    from picollama import Llama
+
+    with Llama(smollm2_path, n_ctx=64, n_threads=2, flash_attn=True, main_gpu=1) as llm:
+        assert llm.ctx.backend.name == "cpu"
+    assert not [w for w in recwarn.list if issubclass(w.category, RuntimeWarning)]
+    with pytest.warns(RuntimeWarning, match="flash_attn=False is ignored"):
+        Llama(smollm2_path, n_ctx=64, n_threads=2, flash_attn=False).close()
