@@ -198,3 +198,18 @@ def test_llama_takes_flash_attn_and_main_gpu(smollm2_path, recwarn):
     assert not [w for w in recwarn.list if issubclass(w.category, RuntimeWarning)]
     with pytest.warns(RuntimeWarning, match="flash_attn=False is ignored"):
         Llama(smollm2_path, n_ctx=64, n_threads=2, flash_attn=False).close()
+
+
+def test_fewer_gpu_layers_than_the_model_has_get_a_note(capsys):
+    """-ngl 20 of 30 layers: picollama does not split a model, and says so."""
+    from types import SimpleNamespace
+
+    from picollama.tools.cli import note_gpu_layers
+
+    model = SimpleNamespace(args=SimpleNamespace(n_layers=30))
+    note_gpu_layers(argparse.Namespace(n_gpu_layers=20, backend="cuda"), model)
+    err = capsys.readouterr().err
+    assert err.startswith("note: -ngl 20 of 30 layers: all 30 run on cuda")
+    for n, backend in ((99, "cuda"), (-1, "cuda"), (30, "opencl"), (20, "cpu"), (None, "cuda")):
+        note_gpu_layers(argparse.Namespace(n_gpu_layers=n, backend=backend), model)
+        assert capsys.readouterr().err == ""

@@ -22,7 +22,12 @@ import time
 
 import numpy as np
 
-from picollama.tools.cli import add_backend_args, add_repack_arg, backend_choice
+from picollama.tools.cli import (
+    add_backend_args,
+    add_repack_arg,
+    backend_choice,
+    note_gpu_layers,
+)
 
 __all__ = ["main", "measure_bandwidth"]
 
@@ -181,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"picollama-bench: error: {err}", file=sys.stderr)
         return 1
+    note_gpu_layers(args, ctx.model)
     try:
         lora_model = _lora_model(ctx, args)
     except (*USER_ERRORS, ValueError) as err:

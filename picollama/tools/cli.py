@@ -230,6 +230,18 @@ def backend_choice(args):
     return get_backend("cpu", n_threads=args.threads, repack=False)
 
 
+def note_gpu_layers(args, model) -> None:
+    """A note on stderr where -ngl asked for fewer layers than ``model`` has on a GPU:
+    picollama puts them all there (it does not split a model between devices)."""
+    n, layers = getattr(args, "n_gpu_layers", None), model.args.n_layers
+    if n is not None and 0 < n < layers and args.backend != "cpu":
+        print(
+            f"note: -ngl {n} of {layers} layers: all {layers} run on {args.backend} (picollama "
+            "does not split a model between devices)",
+            file=sys.stderr,
+        )
+
+
 def add_lora_args(p: argparse.ArgumentParser) -> None:
     """--lora FILE and --lora-scaled FILE SCALE, repeatable, as llama.cpp's."""
     p.add_argument(
@@ -563,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_adapters=adapters,
             **spec_kwargs,
         )
+        note_gpu_layers(args, llm.ctx.model)
         # the CPU's step program compiles beside the answer, not in the middle of it
         backend = llm.ctx.backend
         if hasattr(backend, "compile_in_background"):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from picollama.tools.cli import add_model_args, backend_choice
+from picollama.tools.cli import add_model_args, backend_choice, note_gpu_layers
 
 __all__ = ["main", "PerplexityResult", "perplexity"]
 
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             n_threads=args.threads,
             backend=backend_choice(args),
         )
+        note_gpu_layers(args, ctx.model)
         adapters = lora_specs(args)
         if adapters:
             ctx.model = LoraSet(ctx.model, adapters).model_for()

@@ -21,6 +21,7 @@ from picollama.tools.cli import (
     add_repack_arg,
     backend_choice,
     lora_specs,
+    note_gpu_layers,
 )
 
 __all__ = ["main", "build_parser"]
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             n_threads=args.threads,
             backend=backend_choice(args),
         )
+        note_gpu_layers(args, engine.model)
         if hasattr(engine.backend, "compile_in_background"):
             # requests are served op by op while the CPU's step program compiles
             engine.backend.compile_in_background = True
