@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from model_factory import TinySpec, write_tiny_model
 
 from picollama.tools import bench
@@ -27,3 +28,21 @@ def test_bench_refuses_a_negative_count(tmp_path, capsys):
     write_tiny_model(path, TinySpec())
     assert bench.main(["-m", str(path), "-d", "-1"]) == 1
     assert "-p, -n and -d take counts >= 0" in capsys.readouterr().err
+
+
+def test_bench_takes_llama_bench_lists(tmp_path, capsys):
+    """-p, -n and -d take comma lists, as llama-bench's: every prompt and generation test
+    at every depth, named as llama-bench names them."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, TinySpec())
+    argv = ["-m", str(path), "-p", "4,8", "-n", "2,3", "-d", "0,20", "-r", "1"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    found = re.finditer(r"\| ((?:pp|tg)\d+(?: @ d\d+)?) \| ([\d.]+) ±", out)
+    rows = {m.group(1): float(m.group(2)) for m in found}
+    names = {"pp4", "pp8", "tg2", "tg3"}
+    assert set(rows) == names | {f"{name} @ d20" for name in names}
+    assert all(rate > 0 for rate in rows.values())
+    with pytest.raises(SystemExit):
+        bench.main(["-m", str(path), "-p", "4,x"])
+    assert "is not a count or a list of them" in capsys.readouterr().err

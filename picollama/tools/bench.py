@@ -102,14 +102,32 @@ def _test_name(kind: str, n: int, depth: int) -> str:
     return f"{kind}{n}" + (f" @ d{depth}" if depth else "")
 
 
+def _counts(text: str) -> list[int]:
+    """llama-bench's value lists: "512" or "128,256,512"."""
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count or a list of them") from None
+
+
+def _csv(values: list[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
 def _llama_bench(
-    bin_dir: str, model: str, threads: int, pp: int, tg: int, reps: int, depth: int = 0
+    bin_dir: str,
+    model: str,
+    threads: int,
+    pp: list[int],
+    tg: list[int],
+    reps: int,
+    depth: list[int] | None = None,
 ) -> dict:
     exe = os.path.join(bin_dir, "llama-bench")
     cmd = [exe, "-m", model, "-t", str(threads), "-r", str(reps), "-o", "json"]
-    cmd += ["-p", str(pp), "-n", str(tg)]
-    if depth:
-        cmd += ["-d", str(depth)]
+    cmd += ["-p", _csv(pp), "-n", _csv(tg)]
+    if depth and any(depth):
+        cmd += ["-d", _csv(depth)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed: {proc.stderr.strip()[-400:]}")
@@ -124,14 +142,27 @@ def _llama_bench(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="picollama-bench", description=__doc__.split("\n")[0])
     p.add_argument("-m", "--model", default=None, help="GGUF file or built-in model name")
-    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (0: skip)")
-    p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (0: skip)")
+    p.add_argument(
+        "-p",
+        "--n-prompt",
+        type=_counts,
+        default=[512],
+        help="prompt tokens (0: skip); a list such as 128,512 runs each, as llama-bench's",
+    )
+    p.add_argument(
+        "-n",
+        "--n-gen",
+        type=_counts,
+        default=[128],
+        help="generated tokens (0: skip); a list runs each",
+    )
     p.add_argument(
         "-d",
         "--n-depth",
-        type=int,
-        default=0,
-        help="tokens already in the context before each test (llama-bench's -d; untimed)",
+        type=_counts,
+        default=[0],
+        help="tokens already in the context before each test (llama-bench's -d; untimed); "
+        "a list runs every test at each",
     )
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-t", "--threads", type=int, default=None)
@@ -171,11 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     from picollama.errors import USER_ERRORS
     from picollama.generation import Context
 
-    if min(args.n_prompt, args.n_gen, args.n_depth) < 0:
+    if min(*args.n_prompt, *args.n_gen, *args.n_depth) < 0:
         print("picollama-bench: error: -p, -n and -d take counts >= 0", file=sys.stderr)
         return 1
     try:
-        n_ctx = max(args.n_prompt, args.n_gen, 1) + args.n_depth
+        n_ctx = max(*args.n_prompt, *args.n_gen, 1) + max(args.n_depth)
         ctx = Context(
             args.model,
             n_ctx=n_ctx,
@@ -203,12 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     model_desc = f"{ctx.model.args.arch} {n_params / 1e6:.0f}M {main_type}"
     rng = np.random.default_rng(0)
 
-    depth = args.n_depth
-    tests = []
-    if args.n_prompt > 0:
-        tests.append((_test_name("pp", args.n_prompt, depth), _run_pp, args.n_prompt))
-    if args.n_gen > 0:
-        tests.append((_test_name("tg", args.n_gen, depth), _run_tg, args.n_gen))
+    tests = []  # (name, run, tokens, depth), in llama-bench's order
+    for depth in args.n_depth:
+        for n in args.n_prompt:
+            if n > 0:
+                tests.append((_test_name("pp", n, depth), _run_pp, n, depth))
+        for n in args.n_gen:
+            if n > 0:
+                tests.append((_test_name("tg", n, depth), _run_tg, n, depth))
     # Beside llama-bench, the two alternate: each round runs every test of ours once, then
     # llama-bench once (-r 1), so a burst of load from elsewhere on a shared machine falls
     # on both sides alike; figures are medians over the rounds.
@@ -224,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(rounds):
         for model, suffix in variants:
             ctx.model = model
-            for name, fn, n in tests:
+            for name, fn, n, depth in tests:
                 if round_ == 0:
                     fn(ctx, min(n, 16), rng)  # warm-up: compiles and touches the weights
                 runs = our_runs.setdefault(name + suffix, [])
@@ -233,7 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         if vs:
             try:
                 got = _llama_bench(
-                    args.vs_llama_cpp, str(ctx.path), threads, args.n_prompt, args.n_gen, 1, depth
+                    args.vs_llama_cpp,
+                    str(ctx.path),
+                    threads,
+                    args.n_prompt,
+                    args.n_gen,
+                    1,
+                    args.n_depth,
                 )
             except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as err:
                 print(f"picollama-bench: llama-bench did not run: {err}", file=sys.stderr)
@@ -283,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if tg:
         print(f"; tg reaches {tg[0][0] / ceiling:.0%} of it", end="")
     print()
-    for name, _, _ in tests:
+    for name, *_ in tests:
         if name + " +lora" in ours:
             ratio = ours[name + " +lora"][0] / ours[name][0]
             print(f"{name} with the LoRA adapters: {ratio:.2f}x the speed without them")
