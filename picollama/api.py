@@ -16,7 +16,7 @@ import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 
-from picollama.backends.base import Backend, backend_on_device, gpu_layers_backend
+from picollama.backends.base import Backend, gpu_layers_backend
 from picollama.generation import Context
 from picollama.sampling.samplers import DEFAULT_SEED, Sampler, SamplingParams
 from picollama.sampling.stop import StopStrings
@@ -85,9 +85,6 @@ class Llama:
             )
             if notice:
                 warnings.warn(notice, RuntimeWarning, stacklevel=2)
-                device = None  # it was the GPU's
-            if isinstance(backend, str) and device is not None:
-                backend = backend_on_device(backend, device, n_threads)
         self.ctx = Context(
             model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, backend=backend
         )

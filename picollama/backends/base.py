@@ -375,37 +375,44 @@ def gpu_layers_backend(
     device: int | str | None = None,
     n_threads: int | None = None,
 ) -> tuple[str | Backend, str | None]:
-    """The backend that llama.cpp's ``-ngl N`` (llama-cpp-python's ``n_gpu_layers``) asks
-    for, and a notice for the user (None when there is nothing to say).
+    """The backend that ``backend``, llama.cpp's ``-ngl N`` (llama-cpp-python's
+    ``n_gpu_layers``) and ``device`` ask for, and a notice for the user (None when there is
+    nothing to say): a name, or the backend made here where a device was picked.
 
     picollama runs a model wholly on one backend: no layers (0, or None: not asked) means
     ``backend`` (default the CPU); any other count (-1 or 99 for all, as the llama.cpp
     habit is, or fewer) puts every layer on a GPU: ``backend`` where one is named, else
-    the CUDA backend where it starts (created here, on ``device``), else OpenCL where its
-    device is a GPU. With no usable GPU the model runs on the CPU and the notice says why,
-    as llama.cpp ignores -ngl without one; with ``backend="cpu"`` named, -ngl is ignored."""
-    if not n_gpu_layers:
-        return backend or "cpu", None
-    if backend == "cpu":
+    the CUDA backend where it starts, else OpenCL where its device is a GPU. With no usable
+    GPU the model runs on the CPU and the notice says why, as llama.cpp ignores -ngl
+    without one; with ``backend="cpu"`` named, -ngl is ignored. Where there is a notice,
+    ``device`` (the GPU's) is dropped too; else the backend is made on it
+    (``backend_on_device``: a digit string counts as an index)."""
+    if isinstance(device, str) and device.strip().isdigit():
+        device = int(device)
+    if n_gpu_layers and backend == "cpu":
         return "cpu", "-ngl (n_gpu_layers) is ignored: the cpu backend was asked for"
-    if backend is not None:
-        return backend, None
-    why = []
-    for name in GPU_BACKENDS:
-        if name == "opencl" and device is None:
-            missing = _opencl_gpu_missing()
-            if missing:
-                why.append(f"opencl: {missing}")
-                continue
-        options = {"n_threads": n_threads}
-        if device is not None:
-            options["device"] = device
-        try:
-            return get_backend(name, **options), None
-        except BackendError as err:
-            why.append(f"{name}: {err}")
-    reasons = "; ".join(why)
-    return "cpu", f"no usable GPU found, so -ngl is ignored and the cpu backend runs ({reasons})"
+    if n_gpu_layers and backend is None:
+        why = []
+        for name in GPU_BACKENDS:
+            if name == "opencl" and device is None:
+                missing = _opencl_gpu_missing()
+                if missing:
+                    why.append(f"opencl: {missing}")
+                    continue
+            options = {"n_threads": n_threads}
+            if device is not None:
+                options["device"] = device
+            try:
+                return get_backend(name, **options), None
+            except BackendError as err:
+                why.append(f"{name}: {err}")
+        reasons = "; ".join(why)
+        notice = "no usable GPU found, so -ngl is ignored and the cpu backend runs"
+        return "cpu", f"{notice} ({reasons})"
+    backend = backend or "cpu"
+    if device is not None:
+        return backend_on_device(backend, device, n_threads), None
+    return backend, None
 
 
 def _opencl_gpu_missing() -> str | None:

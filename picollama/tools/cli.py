@@ -202,12 +202,7 @@ def backend_choice(args):
     backend made without repacking). A notice, such as -ngl without a usable GPU (then the
     device is dropped with the GPU), goes to stderr; ``args.backend`` is set to the
     backend's name."""
-    from picollama.backends.base import (
-        BackendError,
-        backend_on_device,
-        get_backend,
-        gpu_layers_backend,
-    )
+    from picollama.backends.base import BackendError, get_backend, gpu_layers_backend
 
     device = getattr(args, "device", None)
     if device is None:
@@ -217,11 +212,8 @@ def backend_choice(args):
     )
     if notice:
         print(f"warning: {notice}", file=sys.stderr)
-        device = None
     if getattr(args, "flash_attn", None) in ("off", "0"):
         print("warning: -fa off is ignored: picollama always uses flash attention", file=sys.stderr)
-    if isinstance(backend, str) and device is not None:
-        backend = backend_on_device(backend, device, args.threads)
     args.backend = backend if isinstance(backend, str) else backend.name
     if not getattr(args, "no_repack", False):
         return backend
