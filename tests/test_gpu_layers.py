@@ -39,7 +39,7 @@ def fake_gpus(monkeypatch):
         return _Made(name, options)
 
     monkeypatch.setattr(base, "get_backend", fake_get_backend)
-    monkeypatch.setattr(base, "_opencl_gpu_missing", lambda: state["opencl"])
+    monkeypatch.setattr(base, "_opencl_gpu_missing", lambda device=None: state["opencl"])
     state["calls"] = calls
     return state
 
@@ -80,6 +80,38 @@ def test_layers_without_a_gpu_run_on_the_cpu_and_say_why(fake_gpus):
     assert "opencl: its device here is a CPU" in notice
     # an OpenCL device that is only a CPU is not even built (PoCL's programs take time)
     assert [name for name, _ in fake_gpus["calls"]] == ["cuda"]
+
+
+def test_layers_with_a_gpu_index_skip_an_opencl_cpu(monkeypatch):
+    """-ngl 99 -mg 0 where OpenCL's device 0 is PoCL's CPU: the cpu backend and the notice,
+    not OpenCL on the CPU; --device pocl names that device, and is taken as named."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("pyopencl")
+    from picollama.backends.opencl import device as cl_device
+
+    real_get_backend = base.get_backend
+
+    def no_cuda(name="cpu", **options):
+        if name == "cuda":
+            raise BackendError("no GPU in this made-up machine")
+        if name == "opencl":
+            return _Made(name, options)
+        return real_get_backend(name, **options)
+
+    picked = []
+
+    def one_cpu_device(cl, spec=None):
+        picked.append(spec)
+        return SimpleNamespace(kind="CPU", label="PoCL (CPU)")
+
+    monkeypatch.setattr(base, "get_backend", no_cuda)
+    monkeypatch.setattr(cl_device, "select_device", one_cpu_device)
+    backend, notice = gpu_layers_backend(99, None, device=0)
+    assert backend == "cpu" and "opencl: its device here is a CPU (PoCL (CPU))" in notice
+    backend, notice = gpu_layers_backend(99, None, device="pocl")
+    assert notice is None and backend.name == "opencl" and backend.options["device"] == "pocl"
+    assert picked == [0, "pocl"]
 
 
 def test_backend_choice_reads_ngl(fake_gpus, capsys):

@@ -394,8 +394,8 @@ def gpu_layers_backend(
     if n_gpu_layers and backend is None:
         why = []
         for name in GPU_BACKENDS:
-            if name == "opencl" and device is None:
-                missing = _opencl_gpu_missing()
+            if name == "opencl":
+                missing = _opencl_gpu_missing(device)
                 if missing:
                     why.append(f"opencl: {missing}")
                     continue
@@ -415,8 +415,10 @@ def gpu_layers_backend(
     return backend, None
 
 
-def _opencl_gpu_missing() -> str | None:
-    """Why the OpenCL backend's default device is not a GPU here (None: it is one)."""
+def _opencl_gpu_missing(device: int | str | None = None) -> str | None:
+    """Why the OpenCL device that ``device`` picks (None: the default, an index: llama.cpp's
+    -mg) is not a GPU here (None: it is one, or ``device`` names a device, which is taken
+    as it is: ``--device pocl``)."""
     try:
         import pyopencl as cl
     except ImportError:
@@ -424,7 +426,9 @@ def _opencl_gpu_missing() -> str | None:
     from picollama.backends.opencl.device import select_device
 
     try:
-        info = select_device(cl, None)
+        info = select_device(cl, device)
     except BackendError as err:
         return str(err)
-    return None if info.kind != "CPU" else f"its device here is a CPU ({info.label})"
+    if info.kind != "CPU" or isinstance(device, str):
+        return None
+    return f"its device here is a CPU ({info.label})"
