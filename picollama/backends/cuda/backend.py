@@ -175,7 +175,7 @@ class _Kernels:
     __slots__ = (
         "matvec", "dequant", "dequant_h", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
         "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_few",
-        "module", "stage",
+        "module",
     )  # fmt: skip
 
     def __init__(self, matvec, dequant, dequant_h, get_rows):
@@ -190,9 +190,6 @@ class _Kernels:
         # rows of x at most -> the int8 kernel for them (matvec_q8_2, _4; matvec_q8 for 8)
         self.matvec_q8_few: dict[int, object] = {}
         self.module = None  # the RawModule they come from (its globals: diagnostic builds)
-        # one-token launches stage x and (units, bytes a warp's unit) of weights in shared
-        # memory (mmvq.cu's MVQ_STAGE); (0, 0) where not built
-        self.stage = (0, 0)
 
 
 class _Launch:
@@ -439,23 +436,6 @@ def _q8_smem(n: int, k: int) -> int:
     return n * k + n * (k // 32) * 4 + n * (k // 16) * 4
 
 
-def _q8_smem_staged(k: int, norm: bool) -> int:
-    """``_q8_smem`` of one token with x (and the norm weights) staged after the codes at a
-    16-byte boundary, as mmvq.cu's MVQ_STAGE build lays them out (its weights' slots
-    follow)."""
-    return (_q8_smem(1, k) + 15) // 16 * 16 + 4 * k * (2 if norm else 1)
-
-
-def _global_int(cp, mod, name: str) -> int:
-    """The int32 device variable ``name`` of the compiled module ``mod`` (a build variant's
-    marker), 0 where the build has none."""
-    try:
-        ptr = mod.get_global(name)
-    except cp.cuda.driver.CUDADriverError:
-        return 0
-    return int(cp.ndarray((1,), cp.int32, memptr=ptr).get()[0])
-
-
 class CUDABackend(Backend):
     """Runs the op interface on an NVIDIA GPU through CuPy.
 
@@ -649,10 +629,6 @@ class CUDABackend(Backend):
                         if small is not None:
                             kernels.matvec_q8_small = small
                             kernels.mvq_small_warps = small.max_threads_per_block // 32
-                        kernels.stage = (
-                            _global_int(cp, mod, "mvq_stage_units"),  # MVQ_STAGE
-                            _global_int(cp, mod, "mvq_stage_unit"),
-                        )
                     # x is staged in dynamic shared memory: allow more than 48 KiB
                     for kernel in (
                         kernels.matvec,
@@ -664,13 +640,6 @@ class CUDABackend(Backend):
                     ):
                         if kernel is not None:
                             kernel.max_dynamic_shared_size_bytes = self._mv_smem_limit()
-                    if kernels.stage[0]:  # the one-token kernels' staged weights
-                        for kernel in (
-                            kernels.matvec_q8_n1,
-                            kernels.matvec_q8_wide,
-                            kernels.matvec_q8_rope,
-                        ):
-                            kernel.max_dynamic_shared_size_bytes = self._stage_smem_limit()
             except cp.cuda.compiler.CompileException as err:
                 raise BackendError(
                     f"the CUDA kernels for {qtype.name} did not compile: {err}"
@@ -680,11 +649,6 @@ class CUDABackend(Backend):
 
     def _mv_smem_limit(self) -> int:
         return min(_MV_SMEM_LIMIT, self._smem_optin - 1024)
-
-    def _stage_smem_limit(self) -> int:
-        """Dynamic shared memory of a staging one-token launch (MVQ_STAGE) at most: the
-        opt-in limit less the kernels' static shared memory (the RoPE kernel's 1168 bytes)."""
-        return self._smem_optin - 2048
 
     def _launch(self, kernel, grid, block, args, shared_mem=0):
         """Launch on the backend's stream (the caller holds ``with self._stream``)."""
@@ -1613,13 +1577,6 @@ class CUDABackend(Backend):
                 # idle (so the trigger point stays the same, _pdl_at). The 135M's ffn_down:
                 # 18 blocks of 16 warps -> 36 of 8; none of the 8B's matvecs.
                 kernel, warps = small, kernels.mvq_small_warps
-            units, unit_bytes = kernels.stage
-            if units and n == 1 and kernel is not small:
-                # x and up to `units` units a warp staged (MVQ_STAGE), as many as fit
-                staged = _q8_smem_staged(k, norm)
-                limit = self._stage_smem_limit()
-                if staged + warps * unit_bytes <= limit:
-                    smem = min(staged + units * warps * unit_bytes, limit)
             rows_per_block = warps * per_warp
             threads = warps * 32
         else:

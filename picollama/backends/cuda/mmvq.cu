@@ -116,72 +116,6 @@
 #ifndef MVQ_TRACE
 #define MVQ_TRACE 0
 #endif
-// MVQ_STAGE = P (off: 0; for timing; Q4_K and Q6_K, whose one-token kernels run the pipe):
-// keep the memory busy through a launch's prologue. Run 29's timeline saw the memory idle
-// from the dependent-launch wait to a warp's first unit (4-8 us a launch): x's loads queue
-// behind the one unit a warp preloaded, and the loads of its second unit wait until x is
-// quantized. Here, right after the wait, each thread copies its own float4s of x (and of
-// the norm weights) into shared memory with cp.async, and then each warp copies its units
-// 1..P (a unit: its row pair's chunks of one iteration, every lane its own 16-byte fields)
-// into slots of its own, also by cp.async: no registers held, and x's copies go out ahead
-// of those units. The norm and the quantization read x from shared memory (a thread reads
-// only what it copied, so no barrier), the warp multiplies unit 0 from the preload's
-// registers while unit P + 1's loads go out, units 1..P from their slots, then on as the
-// pipe. The host gives the launch the shared memory (mvq_stage_unit: a warp's unit in
-// bytes, mvq_stage_units: P); the kernel stages as many units as fit its dynamic shared
-// memory, and none (x read as before) where x is not there or not 16-byte aligned.
-#ifndef MVQ_STAGE
-#define MVQ_STAGE 0
-#endif
-// MVQ_STAGE_PRE: of those P units, how many go out before the dependent-launch wait (ahead
-// of x's copies, which then wait behind them too; a launch that enters early, as
-// attn_output during the attention, gets its weights in flight sooner)
-#ifndef MVQ_STAGE_PRE
-#define MVQ_STAGE_PRE 0
-#endif
-#if MVQ_STAGE && !(((defined(QTYPE_Q4_K) && MVQ_Q4K_PAIR) || (defined(QTYPE_Q6_K) && MVQ_Q6K_PAIR)) && \
-                   MVQ_PIPE && MVQ_PRELOAD)
-#undef MVQ_STAGE
-#define MVQ_STAGE 0  // the other types have no staged form of their chunks; it needs the pipe
-#endif
-#if MVQ_STAGE
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 s;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(p));
-    return s;
-}
-__device__ __forceinline__ u32 dynamic_smem_size() {
-    u32 s;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(s));
-    return s;
-}
-// asynchronous copies of 16, 8 and 4 bytes into shared memory (the source aligned as much)
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_u32(dst)), "l"(src)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// until at most `pending` of this thread's latest groups are still in flight (0..3)
-__device__ __forceinline__ void cp_async_wait(int pending) {
-    if (pending <= 0) asm volatile("cp.async.wait_group 0;" ::: "memory");
-    else if (pending == 1) asm volatile("cp.async.wait_group 1;" ::: "memory");
-    else if (pending == 2) asm volatile("cp.async.wait_group 2;" ::: "memory");
-    else asm volatile("cp.async.wait_group 3;" ::: "memory");
-}
-__device__ int mvq_stage_units = MVQ_STAGE;
-#define MVQ_LDX(p) (*(p))  // x from shared memory (staged) or global memory (not)
-#else
-#define MVQ_LDX(p) __ldg(p)
-#endif
-
 #if MVQ_TRACE
 #define MVQ_TRACE_CAP 262144
 __device__ unsigned long long mvq_trace[MVQ_TRACE_CAP][7];
@@ -375,25 +309,6 @@ struct QD {
         r.dm = hd.x, r.s0 = hd.y, r.s1 = hd.z, r.s2 = hd.w;
         return r;
     }
-#if MVQ_STAGE
-    // MVQ_STAGE: the same fields copied into a lane's slot, field i at s + 512 i (a warp's
-    // 32 lanes side by side, so that reading them back is free of bank conflicts)
-    static constexpr int NF = 3;
-    __device__ static __forceinline__ void stage(const Fields& f, u32 gc, u8* s) {
-        const u8* p = at(f.p1, gc, 32);
-        cp_async16(s, p);
-        cp_async16(s + 512, p + 16);
-        cp_async16(s + 1024, at(f.p0, gc / CPB, 16));
-    }
-    __device__ static __forceinline__ Raw unstage(const u8* s, u32) {
-        Raw r;
-        r.qa = *(const uint4*)s;
-        r.qb = *(const uint4*)(s + 512);
-        const uint4 hd = *(const uint4*)(s + 1024);
-        r.dm = hd.x, r.s0 = hd.y, r.s1 = hd.z, r.s2 = hd.w;
-        return r;
-    }
-#endif
     __device__ static __forceinline__ u32 half12(u32 s0, u32 s1, u32 s2, int i) {
         u32 w = i < 2 ? s0 : (i < 4 ? s1 : s2);
         return (w >> (16 * (i & 1))) & 0xFFFFu;
@@ -517,31 +432,6 @@ struct QD {
         r.d = ld_u16(at(f.p3, b, 2));
         return r;
     }
-#if MVQ_STAGE
-    // MVQ_STAGE, as Q4_K's: ql's two runs, qh, then the 8 scale bytes and the 4-byte word
-    // that holds d (d's field is 256-byte aligned and padded, so the word is inside it)
-    static constexpr int NF = 4;
-    __device__ static __forceinline__ void stage(const Fields& f, u32 gc, u8* s) {
-        const u32 b = gc / CPB;
-        const int u = (int)(gc % CPB);
-        const u8* lp = at(f.p0, b, 128) + 64 * (u >> 1) + 16 * (u & 1);
-        cp_async16(s, lp);
-        cp_async16(s + 512, lp + 32);
-        cp_async16(s + 1024, at(f.p1, gc, 16));
-        cp_async8(s + 1536, at(f.p2, b, 16) + 8 * (u >> 1));
-        cp_async4(s + 1544, at(f.p3, b & ~1u, 2));
-    }
-    __device__ static __forceinline__ Raw unstage(const u8* s, u32 gc) {
-        Raw r;
-        r.l0 = *(const uint4*)s;
-        r.l1 = *(const uint4*)(s + 512);
-        r.qh = *(const uint4*)(s + 1024);
-        const uint4 m = *(const uint4*)(s + 1536);
-        r.sa = m.x, r.sb = m.y;
-        r.d = ((gc / CPB) & 1) ? m.z >> 16 : m.z & 0xFFFFu;
-        return r;
-    }
-#endif
     __device__ static __forceinline__ float dot(const Raw& r, int c, const XQ& x) {
         int u = c & 3, hh = u >> 1, p = u & 1;
         int j0 = (c >> 2) * 8 + 4 * hh;  // x's 32-runs of k = 0..3: j0 + k
@@ -645,43 +535,6 @@ __device__ __forceinline__ void load_iter(const Fields& fa, i64 ba, const Fields
         }
     }
 }
-
-#if MVQ_STAGE
-static_assert(MVQ_STAGE <= 3, "cp_async_wait takes up to 3 groups in flight");
-// a warp's staged unit: rows a and b, UNROLL chunks each, NF fields of 32 lanes x 16 bytes
-#define MVQ_STAGE_UNIT (2 * QD::UNROLL * QD::NF * 512)
-__device__ int mvq_stage_unit = MVQ_STAGE_UNIT;
-// load_iter's chunks copied into the warp's slot `slot` (cp.async), and read back from it
-template <bool ALL = false>
-__device__ __forceinline__ void stage_iter(const Fields& fa, i64 ba, const Fields& fb, i64 bb,
-                                           bool two, int cpr, int c0, u8* slot, int lane) {
-#pragma unroll
-    for (int u = 0; u < QD::UNROLL; u++) {
-        int c = c0 + 32 * u;
-        if (ALL || c < cpr) {
-            QD::stage(fa, (u32)ba * QD::CPB + c, slot + u * QD::NF * 512 + 16 * lane);
-            if (ALL || two)
-                QD::stage(fb, (u32)bb * QD::CPB + c,
-                          slot + (QD::UNROLL + u) * QD::NF * 512 + 16 * lane);
-        }
-    }
-}
-template <bool ALL = false>
-__device__ __forceinline__ void unstage_iter(i64 ba, i64 bb, bool two, int cpr, int c0,
-                                             const u8* slot, int lane, QD::Raw* ra,
-                                             QD::Raw* rb) {
-#pragma unroll
-    for (int u = 0; u < QD::UNROLL; u++) {
-        int c = c0 + 32 * u;
-        if (ALL || c < cpr) {
-            ra[u] = QD::unstage(slot + u * QD::NF * 512 + 16 * lane, (u32)ba * QD::CPB + c);
-            if (ALL || two)
-                rb[u] = QD::unstage(slot + (QD::UNROLL + u) * QD::NF * 512 + 16 * lane,
-                                    (u32)bb * QD::CPB + c);
-        }
-    }
-}
-#endif
 
 template <int NT, bool ALL = false>
 __device__ __forceinline__ void dot_iter(const QD::Raw* ra, const QD::Raw* rb, bool two, int cpr,
@@ -802,23 +655,6 @@ __device__ __forceinline__ void mvq_body(
     const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at) {
     extern __shared__ int4 mvq_smem[];
     MVQ_TR(tr_0);
-#if MVQ_STAGE
-    // x's staging after the codes, scales and half sums (16-byte aligned), then each warp's
-    // unit slots, as many units as the launch's shared memory holds (none: x read as before)
-    const u32 x_off = (u32)(n * k + 12 * n * (k >> 5) + 15) & ~15u;
-    const u32 u_off = x_off + 4u * (u32)k * (norm ? 2u : 1u);
-    const bool staged_x = NT == 1 && u_off <= dynamic_smem_size() && (k & 3) == 0 &&
-                          (((unsigned long long)x | (unsigned long long)norm_w) & 15) == 0;
-    const int n_stage =
-        staged_x ? min(MVQ_STAGE, (int)((dynamic_smem_size() - u_off) / (W * MVQ_STAGE_UNIT)))
-                 : 0;
-    float* const xs = (float*)((u8*)mvq_smem + x_off);
-    const float* const xr = staged_x ? xs : x;
-    const float* const gr = staged_x ? xs + k : norm_w;
-#else
-    const float* const xr = x;
-    const float* const gr = norm_w;
-#endif
 #if MVQ_TRACE
     unsigned long long tr_f = 0;
 #endif
@@ -894,59 +730,20 @@ __device__ __forceinline__ void mvq_body(
             s_cs[i] = make_float2((float)cos((double)angle), (float)sin((double)angle));
         }
     }
-#if MVQ_STAGE
-    // units 1..n_stage of the warp into its slots by cp.async: the first n_pre of them now,
-    // before the wait (weights only), the rest after x's copies
-    const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
-    const int n_pre = min(MVQ_STAGE_PRE, n_stage);
-    int js = row_first, its = 0, n_staged = 0;  // the last unit staged and its number
-    auto stage_units = [&](int upto) {
-        for (; n_staged < upto; n_staged++) {
-            if (++its == n_it) its = 0, js += job_step;
-            if (have_first && js < n_jobs) {
-                const Job jn = job_at(js);
-                u8* slot =
-                    (u8*)mvq_smem + u_off + (u32)(warp * n_stage + n_staged) * MVQ_STAGE_UNIT;
-                const int c = lane + 32 * QD::UNROLL * its;
-                if (cpr % (32 * QD::UNROLL) == 0 && jn.two)  // as with_all (below)
-                    stage_iter<true>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, true, cpr, c, slot, lane);
-                else
-                    stage_iter<false>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, jn.two, cpr, c, slot, lane);
-            }
-            cp_async_commit();
-        }
-    };
-    stage_units(n_pre);
-#endif
     pdl_wait();
     MVQ_TR(tr_1);
     pdl_trigger_at(1, pdl_at);
-#if MVQ_STAGE
-    // x's copies, then the warp's units left to stage (one group each, empty where the
-    // warp has no such unit, so that every thread counts the same groups)
-    if (staged_x) {
-        const float4* x4 = (const float4*)x;
-        const float4* g4 = (const float4*)norm_w;
-        for (int j = threadIdx.x; j < k / 4; j += W * 32) {
-            cp_async16(xs + 4 * j, x4 + j);
-            if (norm) cp_async16(xs + k + 4 * j, g4 + j);
-        }
-        cp_async_commit();
-        stage_units(n_stage);
-        cp_async_wait(n_stage - n_pre);  // x's group is in (the thread's own copies)
-    }
-#endif
 
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
     int* ss = (int*)(sd + n * nb32);
     if (norm) {
         for (int t = 0; t < n; t++) {
-            const float4* xt = (const float4*)(xr + (i64)t * k);
+            const float4* xt = (const float4*)(x + (i64)t * k);
             double acc = 0.0;
 #pragma unroll 4
             for (int j = threadIdx.x; j < k / 4; j += W * 32) {
-                float4 v = MVQ_LDX(xt + j);
+                float4 v = __ldg(xt + j);
                 acc += (double)v.x * v.x + (double)v.y * v.y;
                 acc += (double)v.z * v.z + (double)v.w * v.w;
             }
@@ -979,8 +776,8 @@ __device__ __forceinline__ void mvq_body(
             int t = in ? (4 * i4) / k : 0;
             int j = 4 * i4 - t * k;
             xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (in) xv[r] = MVQ_LDX((const float4*)(xr + (i64)t * k + j));
-            if (in && norm) gv[r] = MVQ_LDX((const float4*)(gr + j));
+            if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
+            if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
         }
 #pragma unroll
         for (int r = 0; r < XB; r++) {
@@ -1103,72 +900,10 @@ __device__ __forceinline__ void mvq_body(
     // MVQ_PRELOAD, whose build takes the loop below).
     if constexpr (NT == 1 && MVQ_PRELOAD) {
         if (have_first) {
-#if !MVQ_STAGE
             const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
-#endif
             QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];
             int jc = row_first, it = 0;
             float acc_a[1] = {0.f}, acc_b[1] = {0.f};
-#if MVQ_STAGE
-            // units 1..staged wait in the warp's slots (the prologue copied them): the first
-            // step issues unit staged + 1's loads, and the staged units follow unit 0
-            auto next_unit = [&](int& j, int& i) {
-                if (++i == n_it) i = 0, j += job_step;
-            };
-            int jn = jc, itn = it;  // the next unit whose loads go into registers
-            int staged = 0;
-            next_unit(jn, itn);
-            while (staged < n_stage && jn < n_jobs) staged++, next_unit(jn, itn);
-            // multiply the unit (job jc, iteration it) in (ca, cb)
-            auto dot_unit = [&](const QD::Raw* ca, const QD::Raw* cb) {
-                const Job jb = job_at(jc);
-                const int c = lane + 32 * QD::UNROLL * it;
-                with_all(jb, [&](auto all) {
-                    dot_iter<1, decltype(all)::value>(ca, cb, jb.two, cpr, c, x0, k, n, acc_a, acc_b);
-                });
-                if (it == n_it - 1) {
-                    finish(jb, acc_a, acc_b);
-                    acc_a[0] = acc_b[0] = 0.f;
-                }
-                next_unit(jc, it);
-                MVQ_TR_FIRST();
-            };
-            // the next unit's loads into (na, nb), then the unit in (ca, cb); false when
-            // the warp has no unit left after it
-            auto step = [&](const QD::Raw* ca, const QD::Raw* cb, QD::Raw* na, QD::Raw* nb) {
-                const bool more = jn < n_jobs;
-                if (more) {
-                    const Job jl = job_at(jn);
-                    const int c_n = lane + 32 * QD::UNROLL * itn;
-                    with_all(jl, [&](auto all) {
-                        load_iter<decltype(all)::value>(jl.a.f, jl.a.b0, jl.b.f, jl.b.b0, jl.two,
-                                                        cpr, c_n, na, nb);
-                    });
-                }
-                dot_unit(ca, cb);
-                next_unit(jn, itn);
-                return more;
-            };
-            const bool more = step(pa, pb, qa, qb);
-            if (staged) {
-                cp_async_wait(0);  // a lane reads back only its own copies
-                for (int s = 0; s < staged; s++) {
-                    const Job js = job_at(jc);
-                    const u8* slot =
-                        (const u8*)mvq_smem + u_off + (u32)(warp * n_stage + s) * MVQ_STAGE_UNIT;
-                    with_all(js, [&](auto all) {
-                        unstage_iter<decltype(all)::value>(js.a.b0, js.b.b0, js.two, cpr,
-                                                           lane + 32 * QD::UNROLL * it, slot,
-                                                           lane, pa, pb);
-                    });
-                    dot_unit(pa, pb);
-                }
-            }
-            if (more) {
-                while (step(qa, qb, pa, pb) && step(pa, pb, qa, qb)) {
-                }
-            }
-#else
             // multiply the unit (job jc, iteration it) in (ca, cb) after issuing the next
             // one's loads into (na, nb); false when the warp has no unit left. (Jobs are
             // located again where they are used, rather than kept live across units.)
@@ -1199,7 +934,6 @@ __device__ __forceinline__ void mvq_body(
             };
             while (step(pa, pb, qa, qb) && step(qa, qb, pa, pb)) {
             }
-#endif
         }
         MVQ_TR_END();
         pdl_trigger_at(2, pdl_at);
