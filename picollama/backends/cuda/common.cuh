@@ -54,6 +54,28 @@ __device__ __forceinline__ double warp_sum_d(double v) {
     return v;
 }
 
+// The RMS norm's scale of a row of d values whose squares the block's threads summed (each
+// thread its part, in double, into acc): 1 / sqrt(mean + eps) with ggml's float32 steps,
+// written to *scale by one thread. red: a shared slot a warp; every thread of the block
+// must call it (two barriers).
+__device__ __forceinline__ void block_rms_scale(double acc, double* red, int n_warps, int d,
+                                                float eps, float* scale) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    acc = warp_sum_d(acc);
+    if (lane == 0) red[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        double v = lane < n_warps ? red[lane] : 0.0;
+        v = warp_sum_d(v);
+        if (lane == 0) {
+            float mean = (float)(v / (double)d);
+            float root = (float)sqrt((double)__fadd_rn(mean, eps));
+            *scale = 1.0f / root;
+        }
+    }
+    __syncthreads();
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -771,19 +771,7 @@ __device__ __forceinline__ void mvq_body(
                 acc += (double)v.x * v.x + (double)v.y * v.y;
                 acc += (double)v.z * v.z + (double)v.w * v.w;
             }
-            acc = warp_sum_d(acc);
-            if (lane == 0) red[warp] = acc;
-            __syncthreads();
-            if (warp == 0) {
-                double v = lane < W ? red[lane] : 0.0;
-                v = warp_sum_d(v);
-                if (lane == 0) {
-                    float mean = (float)(v / (double)k);
-                    float root = (float)sqrt((double)__fadd_rn(mean, eps));
-                    s_scale[t] = 1.0f / root;
-                }
-            }
-            __syncthreads();
+            block_rms_scale(acc, red, W, k, eps, &s_scale[t]);
         }
     }
     // Each thread takes 4 consecutive values, 8 lanes a run of 32: its scale, codes and half
@@ -809,9 +797,7 @@ __device__ __forceinline__ void mvq_body(
         }
 #if MVQ_XREG
         if (x_reg && norm) {
-            // the sum of squares from these registers, in the order of the pass above (and
-            // its block sum, as written out there: the experiment keeps the default build's
-            // code as it was)
+            // the sum of squares from these registers, in the order of the pass above
             double acc = 0.0;
 #pragma unroll
             for (int r = 0; r < XB; r++) {
@@ -821,19 +807,7 @@ __device__ __forceinline__ void mvq_body(
                     acc += (double)v.z * v.z + (double)v.w * v.w;
                 }
             }
-            acc = warp_sum_d(acc);
-            if (lane == 0) red[warp] = acc;
-            __syncthreads();
-            if (warp == 0) {
-                double v = lane < W ? red[lane] : 0.0;
-                v = warp_sum_d(v);
-                if (lane == 0) {
-                    float mean = (float)(v / (double)k);
-                    float root = (float)sqrt((double)__fadd_rn(mean, eps));
-                    s_scale[0] = 1.0f / root;
-                }
-            }
-            __syncthreads();
+            block_rms_scale(acc, red, W, k, eps, &s_scale[0]);
         }
 #endif
 #pragma unroll

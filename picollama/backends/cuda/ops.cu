@@ -26,20 +26,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
         double v = (double)xr[j];
         acc += v * v;
     }
-    acc = warp_sum_d(acc);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = (blockDim.x + 31) >> 5;
-    if (lane == 0) part[warp] = acc;
-    __syncthreads();
-    if (warp == 0) {
-        double v = lane < n_warps ? part[lane] : 0.0;
-        v = warp_sum_d(v);
-        if (lane == 0) {
-            float mean = (float)(v / (double)d);
-            float root = (float)sqrt((double)__fadd_rn(mean, eps));
-            s_scale = 1.0f / root;
-        }
-    }
-    __syncthreads();
+    block_rms_scale(acc, part, (blockDim.x + 31) >> 5, d, eps, &s_scale);
     float scale = s_scale;
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
         float v = __fmul_rn(xr[j], scale);

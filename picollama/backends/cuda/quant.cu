@@ -456,21 +456,7 @@ matvec(const u8* __restrict__ base, i64 nb_total, int k, int m, const float* __r
                 ss += (double)v.z * v.z + (double)v.w * v.w;
             }
         }
-        if (norm) {
-            ss = warp_sum_d(ss);
-            if (lane == 0) red[warp] = ss;
-            __syncthreads();
-            if (warp == 0) {
-                double v = lane < MV_WARPS ? red[lane] : 0.0;
-                v = warp_sum_d(v);
-                if (lane == 0) {
-                    float mean = (float)(v / (double)k);
-                    float root = (float)sqrt((double)__fadd_rn(mean, eps));
-                    s_scale[t] = 1.0f / root;
-                }
-            }
-            __syncthreads();
-        }
+        if (norm) block_rms_scale(ss, red, MV_WARPS, k, eps, &s_scale[t]);
     }
     __syncthreads();
     if (norm) {
