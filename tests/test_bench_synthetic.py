@@ -64,3 +64,34 @@ def test_trace_report_orders_launches_and_takes_each_kinds_medians():
     assert np.allclose(down[1:5], [2.0, 2.0, 2.0, 8.0], atol=0.01)
     # the down launch's wait is done at 23 us; the launch before it finished at 20.003
     assert abs(down[7] - (23.0 - 20.003)) < 0.01
+
+
+def test_ab_takes_turns_and_reports_each_builds_median_and_ratio(tmp_path, capsys, monkeypatch):
+    """``--ab`` (no GPU: each file's timing made up from the build it was asked for): the
+    default and the variant take turns round by round, and the table holds every figure in
+    the order it ran, the medians and each variant's median over the default's."""
+    from picollama.backends.cuda import bench_synthetic as bs
+
+    calls = []
+    speed = {(): 400.0, ("MVQ_XREG=1",): 440.0, ("MVQ_XREG=1", "PDL_TRIGGER=1"): 300.0}
+
+    def fake(args, spec, path, defines):
+        calls.append((spec, tuple(defines)))
+        tg = speed[tuple(defines)] / (1 if spec == "8b-q4_k_m" else 0.25) + len(calls)
+        return {"tg128": [tg, 0.1, tg], "device": "made up", "bandwidth": 4.2e12}
+
+    monkeypatch.setattr(bs, "_bench_file", fake)
+    monkeypatch.setattr(bs, "_model_path", lambda d, spec: str(tmp_path / spec))
+    argv = ["--models", "135m-q4_k_m,8b-q4_k_m", "--dir", str(tmp_path), "--rounds", "2"]
+    bs.main(argv + ["--ab", "MVQ_XREG=1", "--ab", "MVQ_XREG=1,PDL_TRIGGER=1"])
+    builds = [(), ("MVQ_XREG=1",), ("MVQ_XREG=1", "PDL_TRIGGER=1")]
+    order = [(s, b) for _ in range(2) for b in builds for s in ("135m-q4_k_m", "8b-q4_k_m")]
+    assert calls == order
+    rows = {ln.split(" | ")[0][2:]: ln.split(" | ") for ln in capsys.readouterr().out.splitlines()}
+    big = rows["8b-q4_k_m"]
+    # default: calls 2 and 8 -> 402.0 / 408.0; the first variant: calls 4 and 10
+    assert big[1] == "402.0 / 408.0" and big[2] == "405.0"
+    assert big[3] == "444.0 / 450.0" and big[4] == "447.0"
+    assert abs(float(big[7]) - 447.0 / 405.0) < 1e-3
+    assert abs(float(big[8].rstrip(" |")) - 309.0 / 405.0) < 1e-3
+    assert rows["135m-q4_k_m"][1] == "1601.0 / 1607.0"

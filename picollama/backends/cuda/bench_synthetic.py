@@ -783,6 +783,47 @@ def _model_path(directory: str, spec: str) -> str:
     return path
 
 
+def _bench_file(args, spec: str, path: str, defines) -> dict | None:
+    """One model file timed in a fresh process (``--run``) with the build ``defines``: its
+    RESULT, or None (the failure printed)."""
+    cmd = [sys.executable, "-m", "picollama.backends.cuda.bench_synthetic", "--run", path]
+    cmd += ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions)]
+    if args.no_graphs:
+        cmd.append("--no-graphs")
+    cmd += ["--arithmetic", args.arithmetic] + (["--profile"] if args.profile else [])
+    cmd += ["--no-dependent-launch"] if args.no_dependent_launch else []
+    cmd += ["--no-graph-copies"] if args.no_graph_copies else []
+    for d in defines:
+        cmd += ["--define", d]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(f"{spec}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
+        return None
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def ab_report(runs: list[tuple[str, str, float]], n_gen: int) -> list[str]:
+    """``--ab``'s table from (build, model, tg median t/s) in the order they ran: each
+    build's figures for a model in that order, their median, and each other build's median
+    over the first's (above 1: faster than the first)."""
+    builds = list(dict.fromkeys(b for b, _, _ in runs))
+    models = list(dict.fromkeys(m for _, m, _ in runs))
+    head = "| model | " + " | ".join(f"{b} tg{n_gen} | median" for b in builds)
+    head += "".join(f" | {b} / {builds[0]}" for b in builds[1:]) + " |"
+    lines = [head, "| --- |" + " ---: | ---: |" * len(builds) + " ---: |" * (len(builds) - 1)]
+    for m in models:
+        cells, medians = [], []
+        for b in builds:
+            figs = [t for bb, mm, t in runs if bb == b and mm == m]
+            med = float(np.median(figs)) if figs else float("nan")
+            medians.append(med)
+            cells += [" / ".join(f"{t:.1f}" for t in figs) or "-", f"{med:.1f}"]
+        cells += [f"{med / medians[0]:.3f}" for med in medians[1:]]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="135m-q4_k_m,135m-q8_0,1b-q4_k_m,8b-q4_k_m")
@@ -834,6 +875,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--sweep", action="store_true", help="time int8 matvec build variants")
     p.add_argument(
+        "--ab",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE[,NAME=VALUE]",
+        help="time the build of these macros (repeatable: several variants) against the "
+        "--define build, taking turns for --rounds rounds, and print tg's medians and ratios",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="--ab's rounds (default: 2)")
+    p.add_argument(
         "--trace",
         action="store_true",
         help="a warp-by-warp timeline of one decode step's int8 matvecs (the first --models)",
@@ -854,6 +904,32 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[layout.DEFINES_ENV] = ",".join(args.define)
         for line in trace_step(_model_path(args.dir, args.models.split(",")[0])):
             print(line, flush=True)
+        return 0
+
+    if args.ab:
+        os.makedirs(args.dir, exist_ok=True)
+        paths = {spec: _model_path(args.dir, spec) for spec in args.models.split(",")}
+        builds = {"default": list(args.define)}
+        for variant in args.ab:
+            builds[variant] = list(args.define) + [d for d in variant.split(",") if d]
+        runs = []
+        for rnd in range(args.rounds):
+            for label, defines in builds.items():
+                for spec, path in paths.items():
+                    res = _bench_file(args, spec, path, defines)
+                    if res is None:
+                        continue
+                    tg = res[f"tg{args.n_gen}"][2]
+                    runs.append((label, spec, tg))
+                    print(f"round {rnd + 1} {label} {spec}: tg{args.n_gen} {tg:.1f} t/s "
+                          f"({res['device']}, copy {res['bandwidth'] / 1e9:.0f} GB/s)",
+                          flush=True)  # fmt: skip
+        if not runs:
+            print("--ab: no build ran (above: why)", flush=True)
+            return 1
+        print()
+        for line in ab_report(runs, args.n_gen):
+            print(line)
         return 0
 
     if args.sweep:
@@ -916,21 +992,9 @@ def main(argv: list[str] | None = None) -> int:
     peers: dict[str, dict] = {}
     for spec in args.models.split(","):
         path = _model_path(args.dir, spec)
-        cmd = [sys.executable, "-m", "picollama.backends.cuda.bench_synthetic", "--run", path]
-        cmd += ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions)]
-        if args.no_graphs:
-            cmd.append("--no-graphs")
-        cmd += ["--arithmetic", args.arithmetic] + (["--profile"] if args.profile else [])
-        cmd += ["--no-dependent-launch"] if args.no_dependent_launch else []
-        cmd += ["--no-graph-copies"] if args.no_graph_copies else []
-        for d in args.define:
-            cmd += ["--define", d]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            print(f"{spec}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
+        res = _bench_file(args, spec, path, args.define)
+        if res is None:
             continue
-        res = json.loads(lines[-1][len("RESULT ") :])
         size = os.path.getsize(path)
         ceiling = res["bandwidth"] / size
         pp = res[f"pp{args.n_prompt}"]
