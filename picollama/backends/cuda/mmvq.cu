@@ -108,16 +108,6 @@
 #ifndef MVQ_PRELOAD
 #define MVQ_PRELOAD 1
 #endif
-// MVQ_XREG (off; for timing): the one-token kernels read x in one round trip after the wait.
-// Where one round of loads holds all of x (k <= 4 * 32 * warps * XB), a normed launch takes
-// the norm's sum of squares from those registers instead of a pass of its own, and its norm
-// weights (constant) are loaded before the wait; the n1 and RoPE kernels load two rounds at
-// once (XB = 2), so that a 4096-wide x is one batch of loads. The same float operations in
-// the same order: the same bits as before.
-#ifndef MVQ_XREG
-#define MVQ_XREG 0
-#endif
-#define MVQ_N1_XB (MVQ_XREG ? 2 : 1)
 
 // MVQ_TRACE (a diagnostic build: bench_synthetic --trace): each warp of the one-token
 // kernels writes its times (%globaltimer, ns) into mvq_trace: entry, the dependent-launch
@@ -740,20 +730,6 @@ __device__ __forceinline__ void mvq_body(
             s_cs[i] = make_float2((float)cos((double)angle), (float)sin((double)angle));
         }
     }
-#if MVQ_XREG
-    // x in registers: one round of XB loads a thread holds all of it
-    const bool x_reg = NT == 1 && n * k / 4 <= XB * W * 32;
-    float4 g_pre[XB];  // the norm weights, loaded before the wait
-    if (x_reg && norm) {
-#pragma unroll
-        for (int r = 0; r < XB; r++) {
-            const int i4 = r * W * 32 + threadIdx.x;
-            g_pre[r] = i4 < k / 4 ? __ldg((const float4*)norm_w + i4) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-    }
-#else
-    constexpr bool x_reg = false;
-#endif
     pdl_wait();
     MVQ_TR(tr_1);
     pdl_trigger_at(1, pdl_at);
@@ -761,7 +737,7 @@ __device__ __forceinline__ void mvq_body(
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
     int* ss = (int*)(sd + n * nb32);
-    if (norm && !x_reg) {
+    if (norm) {
         for (int t = 0; t < n; t++) {
             const float4* xt = (const float4*)(x + (i64)t * k);
             double acc = 0.0;
@@ -789,27 +765,8 @@ __device__ __forceinline__ void mvq_body(
             int j = 4 * i4 - t * k;
             xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
-#if MVQ_XREG
-            if (in && norm) gv[r] = x_reg ? g_pre[r] : __ldg((const float4*)(norm_w + j));
-#else
             if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
-#endif
         }
-#if MVQ_XREG
-        if (x_reg && norm) {
-            // the sum of squares from these registers, in the order of the pass above
-            double acc = 0.0;
-#pragma unroll
-            for (int r = 0; r < XB; r++) {
-                if (r * W * 32 + threadIdx.x < n4) {
-                    const float4 v = xv[r];
-                    acc += (double)v.x * v.x + (double)v.y * v.y;
-                    acc += (double)v.z * v.z + (double)v.w * v.w;
-                }
-            }
-            block_rms_scale(acc, red, W, k, eps, &s_scale[0]);
-        }
-#endif
 #pragma unroll
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
@@ -1012,7 +969,7 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8_4(MVQ_PAR
 }
 
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1(MVQ_PARAMS) {
-    mvq_body<1, MVQ_N1_XB, false, MVQ_WARPS>(MVQ_ARGS);
+    mvq_body<1, 1, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 #if MVQ_SMALL_WARPS < MVQ_WARPS
@@ -1033,5 +990,5 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) mat
 
 // one token's Q, K and V with RoPE and the KV cache write (ROPE above)
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
-    mvq_body<1, MVQ_N1_XB, true, MVQ_WARPS>(MVQ_ARGS);
+    mvq_body<1, 1, true, MVQ_WARPS>(MVQ_ARGS);
 }
