@@ -71,8 +71,6 @@ class Llama:
         LoRA (``picollama.lora``): ``lora_adapters`` is a list of ``(path, scale)`` GGUF
         adapters, applied together; ``lora_path``/``lora_scale`` (llama-cpp-python's
         spelling) add one more. ``set_lora_adapters`` changes the scales without reloading."""
-        if device is None and main_gpu and (n_gpu_layers or backend not in (None, "cpu")):
-            device = main_gpu  # the GPU's index, where one is asked for
         if flash_attn is False:
             warnings.warn(
                 "flash_attn=False is ignored: picollama always uses flash attention",
@@ -81,7 +79,7 @@ class Llama:
             )
         if backend is None or isinstance(backend, str):
             backend, notice = gpu_layers_backend(
-                n_gpu_layers, backend, device=device, n_threads=n_threads
+                n_gpu_layers, backend, device=device, main_gpu=main_gpu or None, n_threads=n_threads
             )
             if notice:
                 warnings.warn(notice, RuntimeWarning, stacklevel=2)

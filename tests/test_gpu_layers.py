@@ -216,6 +216,10 @@ def test_main_gpu_and_device_pick_the_gpu(fake_gpus, capsys):
     assert chosen.name == "cuda" and chosen.options["device"] == 2  # --device first
     with pytest.raises(BackendError, match="cpu backend has no devices"):
         backend_choice(p.parse_args(["--backend", "cpu", "--device", "1"]))
+    # -mg without -ngl or a GPU backend is ignored, as llama.cpp's is on the CPU
+    assert backend_choice(p.parse_args(["-mg", "0"])) == "cpu"
+    assert backend_choice(p.parse_args(["--backend", "cpu", "-mg", "1"])) == "cpu"
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.model

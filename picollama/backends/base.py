@@ -35,6 +35,7 @@ __all__ = [
     "get_backend",
     "available_backends",
     "backend_on_device",
+    "device_index",
     "gpu_layers_backend",
 ]
 
@@ -350,10 +351,16 @@ def get_backend(name: str = "cpu", **options) -> Backend:
     return getattr(module, class_name)(**options)
 
 
+def device_index(device):
+    """``device`` with a digit string (a command line's ``--device 1``) read as an index."""
+    if isinstance(device, str) and device.strip().isdigit():
+        return int(device)
+    return device
+
+
 def backend_on_device(name: str, device: int | str, n_threads: int | None = None) -> Backend:
     """Backend ``name`` created on ``device`` (a digit string counts as an index)."""
-    if isinstance(device, str) and device.strip().isdigit():
-        device = int(device)
+    device = device_index(device)
     try:
         return get_backend(name, n_threads=n_threads, device=device)
     except TypeError as err:
@@ -373,6 +380,7 @@ def gpu_layers_backend(
     backend: str | None = None,
     *,
     device: int | str | None = None,
+    main_gpu: int | None = None,
     n_threads: int | None = None,
 ) -> tuple[str | Backend, str | None]:
     """The backend that ``backend``, llama.cpp's ``-ngl N`` (llama-cpp-python's
@@ -386,9 +394,12 @@ def gpu_layers_backend(
     GPU the model runs on the CPU and the notice says why, as llama.cpp ignores -ngl
     without one; with ``backend="cpu"`` named, -ngl is ignored. Where there is a notice,
     ``device`` (the GPU's) is dropped too; else the backend is made on it
-    (``backend_on_device``: a digit string counts as an index)."""
-    if isinstance(device, str) and device.strip().isdigit():
-        device = int(device)
+    (``backend_on_device``: a digit string counts as an index). ``main_gpu`` (llama.cpp's
+    -mg) is the device where ``device`` is None and a GPU is asked for (-ngl, or a backend
+    other than the CPU's); else it is ignored, as llama.cpp ignores -mg without a GPU."""
+    device = device_index(device)
+    if device is None and main_gpu is not None and (n_gpu_layers or backend not in (None, "cpu")):
+        device = main_gpu
     if n_gpu_layers and backend == "cpu":
         return "cpu", "-ngl (n_gpu_layers) is ignored: the cpu backend was asked for"
     if n_gpu_layers and backend is None:
@@ -399,11 +410,10 @@ def gpu_layers_backend(
                 if missing:
                     why.append(f"opencl: {missing}")
                     continue
-            options = {"n_threads": n_threads}
-            if device is not None:
-                options["device"] = device
             try:
-                return get_backend(name, **options), None
+                if device is None:
+                    return get_backend(name, n_threads=n_threads), None
+                return backend_on_device(name, device, n_threads), None
             except BackendError as err:
                 why.append(f"{name}: {err}")
         reasons = "; ".join(why)

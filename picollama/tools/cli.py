@@ -204,11 +204,12 @@ def backend_choice(args):
     backend's name."""
     from picollama.backends.base import BackendError, get_backend, gpu_layers_backend
 
-    device = getattr(args, "device", None)
-    if device is None:
-        device = getattr(args, "main_gpu", None)
     backend, notice = gpu_layers_backend(
-        getattr(args, "n_gpu_layers", None), args.backend, device=device, n_threads=args.threads
+        getattr(args, "n_gpu_layers", None),
+        args.backend,
+        device=getattr(args, "device", None),
+        main_gpu=getattr(args, "main_gpu", None),
+        n_threads=args.threads,
     )
     if notice:
         print(f"warning: {notice}", file=sys.stderr)

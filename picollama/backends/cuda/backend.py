@@ -86,6 +86,7 @@ from picollama.backends.base import (
     BackendError,
     KVCache,
     Weight,
+    device_index,
     logits_top_k,
 )
 from picollama.backends.cuda import layout
@@ -466,8 +467,7 @@ class CUDABackend(Backend):
         if arithmetic not in ARITHMETICS:
             raise BackendError(f"unknown CUDA arithmetic '{arithmetic}' (ggml or exact)")
         self.arithmetic = arithmetic
-        if isinstance(device, str) and device.strip().isdigit():
-            device = int(device)
+        device = device_index(device)
         if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
             raise BackendError(f"the CUDA backend's device is a GPU index, not {device!r}")
         device = int(device)
