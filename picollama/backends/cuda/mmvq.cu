@@ -646,6 +646,85 @@ struct Job {
     int pair;
 };
 
+// x's n rows of k values (RMS-normalized and scaled by norm_w with `norm`, as the rms_norm
+// kernel does it) quantized into shared memory as XQ reads them: k codes a row at sq, then
+// k / 32 scales at sd and k / 16 half sums at ss. Every thread of the block (W warps) calls
+// it; the caller's barrier makes the codes visible.
+template <int XB, int W>
+__device__ __forceinline__ void quantize_x(const float* __restrict__ x, int n, int k,
+                                           const float* __restrict__ norm_w, float eps,
+                                           int norm, signed char* sq, float* sd, int* ss,
+                                           double* red, float* s_scale) {
+    if (norm) {
+        for (int t = 0; t < n; t++) {
+            const float4* xt = (const float4*)(x + (i64)t * k);
+            double acc = 0.0;
+#pragma unroll 4
+            for (int j = threadIdx.x; j < k / 4; j += W * 32) {
+                float4 v = __ldg(xt + j);
+                acc += (double)v.x * v.x + (double)v.y * v.y;
+                acc += (double)v.z * v.z + (double)v.w * v.w;
+            }
+            block_rms_scale(acc, red, W, k, eps, &s_scale[t]);
+        }
+    }
+    // Each thread takes 4 consecutive values, 8 lanes a run of 32: its scale, codes and half
+    // sums. Every lane of the block goes through the same number of rounds (the shuffles
+    // need whole warps); lanes past the end compute on zeros and store nothing. The loads
+    // of XB rounds are issued before the first is used (wide x: one latency, not XB).
+    int n4 = n * k / 4;
+    for (int base0 = 0; base0 < n4; base0 += XB * W * 32) {
+        float4 xv[XB], gv[XB];
+#pragma unroll
+        for (int r = 0; r < XB; r++) {
+            int i4 = base0 + r * W * 32 + threadIdx.x;
+            bool in = i4 < n4;
+            int t = in ? (4 * i4) / k : 0;
+            int j = 4 * i4 - t * k;
+            xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
+            if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
+        }
+#pragma unroll
+        for (int r = 0; r < XB; r++) {
+            int i4 = base0 + r * W * 32 + threadIdx.x;
+            bool in = i4 < n4;
+            int t = in ? (4 * i4) / k : 0;
+            float4 v = xv[r];
+            if (norm && in) {
+                float s = s_scale[t];
+                float4 g = gv[r];
+                v.x = __fmul_rn(__fmul_rn(v.x, s), g.x);
+                v.y = __fmul_rn(__fmul_rn(v.y, s), g.y);
+                v.z = __fmul_rn(__fmul_rn(v.z, s), g.z);
+                v.w = __fmul_rn(__fmul_rn(v.w, s), g.w);
+            }
+            float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            float d = amax / 127.0f;
+            int q[4];
+            float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                q[e] = amax == 0.0f ? 0 : __float2int_rn(vv[e] / d);
+                q[e] = max(-127, min(127, q[e]));
+            }
+            int hs = q[0] + q[1] + q[2] + q[3];
+            hs += __shfl_xor_sync(0xffffffffu, hs, 1);
+            hs += __shfl_xor_sync(0xffffffffu, hs, 2);
+            if (in) {
+                int run = i4 >> 3, sub = i4 & 7;  // run index = t * nb32 + j / 32
+                u32 packed = (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) |
+                             ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
+                *(u32*)(sq + 4 * i4) = packed;
+                if ((sub & 3) == 0) ss[2 * run + (sub >> 2)] = hs;
+                if (sub == 0) sd[run] = d;
+            }
+        }
+    }
+}
+
 // W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS)
 template <int NT, int XB, bool ROPE, int W>
 __device__ __forceinline__ void mvq_body(
@@ -737,74 +816,7 @@ __device__ __forceinline__ void mvq_body(
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
     int* ss = (int*)(sd + n * nb32);
-    if (norm) {
-        for (int t = 0; t < n; t++) {
-            const float4* xt = (const float4*)(x + (i64)t * k);
-            double acc = 0.0;
-#pragma unroll 4
-            for (int j = threadIdx.x; j < k / 4; j += W * 32) {
-                float4 v = __ldg(xt + j);
-                acc += (double)v.x * v.x + (double)v.y * v.y;
-                acc += (double)v.z * v.z + (double)v.w * v.w;
-            }
-            block_rms_scale(acc, red, W, k, eps, &s_scale[t]);
-        }
-    }
-    // Each thread takes 4 consecutive values, 8 lanes a run of 32: its scale, codes and half
-    // sums. Every lane of the block goes through the same number of rounds (the shuffles
-    // need whole warps); lanes past the end compute on zeros and store nothing. The loads
-    // of XB rounds are issued before the first is used (wide x: one latency, not XB).
-    int n4 = n * k / 4;
-    for (int base0 = 0; base0 < n4; base0 += XB * W * 32) {
-        float4 xv[XB], gv[XB];
-#pragma unroll
-        for (int r = 0; r < XB; r++) {
-            int i4 = base0 + r * W * 32 + threadIdx.x;
-            bool in = i4 < n4;
-            int t = in ? (4 * i4) / k : 0;
-            int j = 4 * i4 - t * k;
-            xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
-            if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
-        }
-#pragma unroll
-        for (int r = 0; r < XB; r++) {
-            int i4 = base0 + r * W * 32 + threadIdx.x;
-            bool in = i4 < n4;
-            int t = in ? (4 * i4) / k : 0;
-            float4 v = xv[r];
-            if (norm && in) {
-                float s = s_scale[t];
-                float4 g = gv[r];
-                v.x = __fmul_rn(__fmul_rn(v.x, s), g.x);
-                v.y = __fmul_rn(__fmul_rn(v.y, s), g.y);
-                v.z = __fmul_rn(__fmul_rn(v.z, s), g.z);
-                v.w = __fmul_rn(__fmul_rn(v.w, s), g.w);
-            }
-            float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-            for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            float d = amax / 127.0f;
-            int q[4];
-            float vv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                q[e] = amax == 0.0f ? 0 : __float2int_rn(vv[e] / d);
-                q[e] = max(-127, min(127, q[e]));
-            }
-            int hs = q[0] + q[1] + q[2] + q[3];
-            hs += __shfl_xor_sync(0xffffffffu, hs, 1);
-            hs += __shfl_xor_sync(0xffffffffu, hs, 2);
-            if (in) {
-                int run = i4 >> 3, sub = i4 & 7;  // run index = t * nb32 + j / 32
-                u32 packed = (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) |
-                             ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
-                *(u32*)(sq + 4 * i4) = packed;
-                if ((sub & 3) == 0) ss[2 * run + (sub >> 2)] = hs;
-                if (sub == 0) sd[run] = d;
-            }
-        }
-    }
+    quantize_x<XB, W>(x, n, k, norm_w, eps, norm, sq, sd, ss, red, s_scale);
     __syncthreads();
     MVQ_TR(tr_2);
 
@@ -992,3 +1004,250 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) mat
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
     mvq_body<1, 1, true, MVQ_WARPS>(MVQ_ARGS);
 }
+
+// ---------------------------------------------------------------- weights by the bulk-copy engine
+//
+// MVQ_TMA (one token; Q4_K and Q6_K in pairs, the 8B's types): matvec_q8_n1_tma streams a
+// block's weight rows into a ring of shared-memory stages by the bulk-copy engine
+// (cp.async.bulk with an mbarrier a stage), from one producer warp, while MVQ_TMA_WARPS
+// consumer warps multiply what has landed. The producer sends its first stages at entry,
+// before the dependent-launch wait (weights are constant), so the memory works through the
+// x prologue; and the blocks are small enough (shared memory and registers) that the next
+// launch's block fits an SM beside this one's and fills its own ring while this one runs.
+// A stage holds MVQ_TMA_WARPS consecutive jobs (a row, or a gate row and its up row) over
+// `slice` blocks of the row; consumer warp w takes job w of every stage, its lanes the
+// chunks lane + 32 i as mvq_body's, so the sums are added in the same order (the results
+// are bit for bit those of matvec_q8_n1).
+#ifndef MVQ_TMA
+#define MVQ_TMA 0
+#endif
+#if MVQ_TMA && ((defined(QTYPE_Q4_K) && MVQ_Q4K_PAIR) || (defined(QTYPE_Q6_K) && MVQ_Q6K_PAIR))
+#ifndef MVQ_TMA_WARPS
+#define MVQ_TMA_WARPS 8
+#endif
+#ifndef MVQ_TMA_BLOCKS
+#define MVQ_TMA_BLOCKS 2  // blocks an SM the kernel's registers are bounded for
+#endif
+#if defined(QTYPE_Q4_K)
+#define MVQ_TMA_FIELDS 2
+#else
+#define MVQ_TMA_FIELDS 4
+#endif
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(p));
+    return s;
+}
+__device__ __forceinline__ void bar_init(unsigned long long* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
+                 : "memory");
+}
+__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+// until the phase of the given parity has completed
+__device__ __forceinline__ void bar_wait(unsigned long long* bar, u32 parity) {
+    const u32 a = smem_u32(bar);
+    u32 done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(a), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
+                                          unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            smem_u32(dst)),
+        "l"(src), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
+}
+
+// field f's bytes a block (the type's SZf)
+__device__ __forceinline__ u32 field_size(int f) {
+    return f == 0 ? Q::SZ0 : (f == 1 ? Q::SZ1 : (f == 2 ? Q::SZ2 : Q::SZ3));
+}
+__device__ __forceinline__ const u8* field_ptr(const Fields& fl, int f) {
+    return f == 0 ? fl.p0 : (f == 1 ? fl.p1 : (f == 2 ? fl.p2 : fl.p3));
+}
+
+// a chunk as QD::load reads it, from a stage in shared memory (plain loads: LDS)
+__device__ __forceinline__ QD::Raw load_s(const Fields& f, u32 gc) {
+    QD::Raw r;
+#if defined(QTYPE_Q4_K)
+    const u8* p = f.p1 + gc * 32;
+    r.qa = *(const uint4*)p;
+    r.qb = *(const uint4*)(p + 16);
+    const uint4 hd = *(const uint4*)(f.p0 + (gc / QD::CPB) * 16);
+    r.dm = hd.x, r.s0 = hd.y, r.s1 = hd.z, r.s2 = hd.w;
+#else
+    const u32 b = gc / QD::CPB;
+    const int u = (int)(gc % QD::CPB);
+    const int hh = u >> 1, p = u & 1;
+    const u8* lp = f.p0 + b * 128 + 64 * hh + 16 * p;
+    r.l0 = *(const uint4*)lp;
+    r.l1 = *(const uint4*)(lp + 32);
+    r.qh = *(const uint4*)(f.p1 + gc * 16);
+    const uint2 s8 = *(const uint2*)(f.p2 + b * 16 + 8 * hh);
+    r.sa = s8.x, r.sb = s8.y;
+    r.d = *(const u16*)(f.p3 + b * 2);
+#endif
+    return r;
+}
+
+// a block's bytes (the fields' sizes)
+#define TMA_QBYTES (Q::SZ0 + Q::SZ1 + Q::SZ2 + Q::SZ3)
+
+// job j's fields in a stage of MVQ_TMA_WARPS jobs at base: each field's rows one after another
+__device__ __forceinline__ Fields stage_fields(const u8* base, int j, int slice) {
+    constexpr u32 C = MVQ_TMA_WARPS;
+    Fields f;
+    f.p0 = base + (u32)j * slice * Q::SZ0;
+    base += C * slice * Q::SZ0;
+    f.p1 = base + (u32)j * slice * Q::SZ1;
+    base += C * slice * Q::SZ1;
+    f.p2 = base + (u32)j * slice * Q::SZ2;
+    base += C * slice * Q::SZ2;
+    f.p3 = base + (u32)j * slice * Q::SZ3;
+    return f;
+}
+
+// chunk c of a stage's slice (chunk c_first + c of the row) of job a, and of b with act
+__device__ __forceinline__ void dot_chunk_s(const Fields& fa, const Fields& fb, int act, int c,
+                                            int c_first, const XQ& x, float* acc_a,
+                                            float* acc_b) {
+    const QD::Raw ra = load_s(fa, c);
+    acc_a[0] += QD::dot(ra, c_first + c, x);
+    if (act) {
+        const QD::Raw rb = load_s(fb, c);
+        acc_b[0] += QD::dot(rb, c_first + c, x);
+    }
+}
+
+// Rows of w0 (y0 = W0 x, + resid with has_resid), or with act a gate (w0) and an up (w1)
+// weight of m0 rows each (y0 = act(W0 x) * (W1 x)), one token. A stage is MVQ_TMA_WARPS
+// jobs over `slice` blocks of their rows (slice = the row's bpr blocks, or a multiple of
+// 32 / CPB blocks that divides it); the block takes tiles of jobs blockIdx.x, + gridDim.x,
+// ... Dynamic shared memory: x's codes (the _q8_smem bytes, to 128), 2 n_stages mbarriers
+// (to 128), then n_stages stages of stage_bytes. The host checks every copy's 16-byte
+// alignment (Q6_K: bpr and slice multiples of 8).
+extern "C" __global__ void __launch_bounds__((MVQ_TMA_WARPS + 1) * 32, MVQ_TMA_BLOCKS)
+    matvec_q8_n1_tma(MVQ_PARAMS, int slice, int n_stages, int stage_bytes) {
+    constexpr int C = MVQ_TMA_WARPS, W = C + 1;
+    extern __shared__ int4 tma_smem[];
+    __shared__ double red[W];
+    __shared__ float s_scale[1];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int nb32 = k >> 5;
+    const int bpr = k / Q::BLOCK;
+    const int n_w = act ? 2 : 1;
+    const int n_tiles = (m0 + C - 1) / C;
+    const int n_slices = bpr / slice;
+    // this block's stages: (tile, slice) for tiles blockIdx.x + gridDim.x i
+    const int my_tiles = blockIdx.x < n_tiles ? (n_tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const int my_stages = my_tiles * n_slices;
+
+    signed char* sq = (signed char*)tma_smem;
+    float* sd = (float*)(sq + k);
+    int* ss = (int*)(sd + nb32);
+    const u32 x_bytes = ((u32)k * 11 / 8 + 127) & ~127u;
+    unsigned long long* full = (unsigned long long*)((u8*)tma_smem + x_bytes);
+    unsigned long long* empty = full + n_stages;
+    u8* ring = (u8*)tma_smem + x_bytes + ((16 * n_stages + 127) & ~127);
+    const Fields gw0 = make_fields(w0, nb0), gw1 = make_fields(w1, nb1);
+
+    // stage i's copies (the producer's lane 0): per weight and field, the tile's rows'
+    // slice, one copy for whole rows (consecutive in the field) or one a row
+    auto issue = [&](int i) {
+        const int s = i % n_stages;
+        const int tile = blockIdx.x + (i / n_slices) * gridDim.x, sl = i % n_slices;
+        const int r0 = tile * C, nr = min(C, m0 - r0);
+        u8* dst = ring + (u32)s * stage_bytes;
+        u32 total = 0;
+        for (int wi = 0; wi < n_w; wi++)
+            for (int f = 0; f < MVQ_TMA_FIELDS; f++) total += (u32)nr * slice * field_size(f);
+        bar_expect(&full[s], total);
+        for (int wi = 0; wi < n_w; wi++) {
+            const Fields& g = wi ? gw1 : gw0;
+            for (int f = 0; f < MVQ_TMA_FIELDS; f++) {
+                const u32 sz = field_size(f);
+                const u8* src = field_ptr(g, f) + ((i64)r0 * bpr + (i64)sl * slice) * sz;
+                if (slice == bpr) {
+                    bulk_copy(dst, src, (u32)nr * bpr * sz, &full[s]);
+                } else {
+                    for (int r = 0; r < nr; r++)
+                        bulk_copy(dst + (u32)r * slice * sz, src + (i64)r * bpr * sz, slice * sz,
+                                  &full[s]);
+                }
+                dst += (u32)C * slice * sz;
+            }
+        }
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < n_stages; s++) bar_init(&full[s], 1), bar_init(&empty[s], C);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    pdl_trigger_at(0, pdl_at);
+    if (warp == C && lane == 0) {
+        for (int i = 0; i < min(n_stages, my_stages); i++) issue(i);
+    }
+    pdl_wait();
+    pdl_trigger_at(1, pdl_at);
+    quantize_x<4, W>(x, 1, k, norm_w, eps, norm, sq, sd, ss, red, s_scale);
+    __syncthreads();
+
+    if (warp == C) {  // the producer: each later stage once the consumers are done with its slot
+        if (lane == 0) {
+            for (int i = n_stages; i < my_stages; i++) {
+                bar_wait(&empty[i % n_stages], (u32)(i / n_stages - 1) & 1u);
+                issue(i);
+            }
+        }
+        pdl_trigger_at(2, pdl_at);
+        return;
+    }
+    const XQ x0 = {sq, sd, ss};
+    float acc_a[1] = {0.f}, acc_b[1] = {0.f};
+    for (int i = 0; i < my_stages; i++) {
+        const int s = i % n_stages;
+        const int tile = blockIdx.x + (i / n_slices) * gridDim.x, sl = i % n_slices;
+        const int row = tile * C + warp;
+        bar_wait(&full[s], (u32)(i / n_stages) & 1u);
+        if (row < m0) {
+            // this job's fields in the stage: row `warp` of each field's C rows
+            const u8* base = ring + (u32)s * stage_bytes;
+            const Fields fa = stage_fields(base, warp, slice);
+            const Fields fb = stage_fields(base + (u32)C * slice * TMA_QBYTES, warp, slice);
+            const int c_first = sl * slice * QD::CPB;  // the slice's first chunk in the row
+            const int n_c = slice * QD::CPB;
+#pragma unroll 2
+            for (int c = lane; c < n_c; c += 32) dot_chunk_s(fa, fb, act, c, c_first, x0, acc_a, acc_b);
+        }
+        __syncwarp();
+        if (lane == 0) bar_arrive(&empty[s]);
+        if (sl == n_slices - 1) {
+            if (row < m0) {
+                if (act) {
+                    const float gv = warp_sum(acc_a[0]), uv = warp_sum(acc_b[0]);
+                    if (lane == 0) y0[row] = act == 1 ? silu_mul1(gv, uv) : gelu_mul1(gv, uv);
+                } else {
+                    const float v = warp_sum(acc_a[0]);
+                    if (lane == 0) y0[row] = has_resid ? __fadd_rn(resid[row], v) : v;
+                }
+            }
+            acc_a[0] = acc_b[0] = 0.f;
+        }
+    }
+    pdl_trigger_at(2, pdl_at);
+}
+#endif
