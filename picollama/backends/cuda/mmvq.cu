@@ -646,6 +646,63 @@ struct Job {
     int pair;
 };
 
+// RoPE pair j of a Q/K/V launch (m0 / 2 pairs of q, then m1 / 2 of k, then m2 / 2 of v):
+// its two rows, their outputs, and whether and where it turns
+__device__ __forceinline__ Job rope_job(int j, int pq, int pk, int bpr, const RopeArgs& ra,
+                                        const u8* w0, i64 nb0, int m0, float* y0, const u8* w1,
+                                        i64 nb1, int m1, float* y1, const u8* w2, i64 nb2,
+                                        int m2, float* y2) {
+    Job jb;
+    const int slot = j < pq ? 0 : (j < pq + pk ? 1 : 2);
+    const int pp = slot == 0 ? j : (slot == 1 ? j - pq : j - pq - pk);
+    int r_a, r_b;
+    jb.rot = rope_pair(pp, slot == 2 ? ra.head_dim_v : ra.head_dim, slot == 2 ? 0 : ra.n_rot,
+                       ra.neox, &r_a, &r_b);
+    jb.pair = pp;
+    Fields f = make_fields(slot == 0 ? w0 : (slot == 1 ? w1 : w2),
+                           slot == 0 ? nb0 : (slot == 1 ? nb1 : nb2));
+    float* y = slot == 0 ? y0 : (slot == 1 ? y1 : y2);
+    const int m = slot == 0 ? m0 : (slot == 1 ? m1 : m2);
+    jb.a = RowRef{f, (i64)r_a * bpr, y, r_a, m, slot};
+    jb.b = RowRef{f, (i64)r_b * bpr, y, r_b, m, slot};
+    jb.two = true;
+    return jb;
+}
+
+// every pair's angle, with rope_head's float32 operations (ops.cu), before the dots: not
+// on the critical path of each pair's epilogue. The position was copied to the device
+// before the graph's first kernel, so it may be read before the wait.
+__device__ __forceinline__ void rope_angles(const RopeArgs& ra, float2* s_cs) {
+    const float p_f = (float)*ra.pos;
+    for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x) {
+        float theta = p_f;
+        for (int s = 0; s < i; s++) theta = __fmul_rn(theta, ra.theta_scale);
+        float angle = __fmul_rn(ra.freq_scale, theta);
+        s_cs[i] = make_float2((float)cos((double)angle), (float)sin((double)angle));
+    }
+}
+
+// a RoPE pair's outputs (its rows' dots o0, o1): turned as rope_head turns pair i of a head,
+// written to q or k (or v), and k and v to row crow of the fp16 caches
+__device__ __forceinline__ void rope_store(const Job& jb, float o0, float o1, const float2* s_cs,
+                                           const RopeArgs& ra, int crow, u16* kc, u16* vc,
+                                           int m1, int m2) {
+    if (jb.rot) {  // rope_head's arithmetic, pair i of the head
+        const int hd = ra.head_dim, i = jb.pair - (jb.pair / (hd >> 1)) * (hd >> 1);
+        const float2 cs = s_cs[i];
+        float x0v = o0, x1v = o1;
+        o0 = __fsub_rn(__fmul_rn(x0v, cs.x), __fmul_rn(x1v, cs.y));
+        o1 = __fadd_rn(__fmul_rn(x0v, cs.y), __fmul_rn(x1v, cs.x));
+    }
+    jb.a.y[jb.a.r] = o0;
+    jb.b.y[jb.b.r] = o1;
+    if (jb.a.slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
+        u16* c = jb.a.slot == 1 ? kc + (i64)crow * m1 : vc + (i64)crow * m2;
+        c[jb.a.r] = f2h(o0);
+        c[jb.b.r] = f2h(o1);
+    }
+}
+
 // x's n rows of k values (RMS-normalized and scaled by norm_w with `norm`, as the rms_norm
 // kernel does it) quantized into shared memory as XQ reads them: k codes a row at sq, then
 // k / 32 scales at sd and k / 16 half sums at ss. Every thread of the block (W warps) calls
@@ -758,19 +815,7 @@ __device__ __forceinline__ void mvq_body(
         jb.rot = false;
         jb.pair = 0;
         if constexpr (ROPE) {
-            const int slot = j < pq ? 0 : (j < pq + pk ? 1 : 2);
-            const int pp = slot == 0 ? j : (slot == 1 ? j - pq : j - pq - pk);
-            int r_a, r_b;
-            jb.rot = rope_pair(pp, slot == 2 ? ra.head_dim_v : ra.head_dim,
-                               slot == 2 ? 0 : ra.n_rot, ra.neox, &r_a, &r_b);
-            jb.pair = pp;
-            Fields f = make_fields(slot == 0 ? w0 : (slot == 1 ? w1 : w2),
-                                   slot == 0 ? nb0 : (slot == 1 ? nb1 : nb2));
-            float* y = slot == 0 ? y0 : (slot == 1 ? y1 : y2);
-            const int m = slot == 0 ? m0 : (slot == 1 ? m1 : m2);
-            jb.a = RowRef{f, (i64)r_a * bpr, y, r_a, m, slot};
-            jb.b = RowRef{f, (i64)r_b * bpr, y, r_b, m, slot};
-            jb.two = true;
+            jb = rope_job(j, pq, pk, bpr, ra, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
         } else if (act) {
             jb.a = RowRef{make_fields(w0, nb0), (i64)j * bpr, y0, j, m0, 0};
             jb.b = RowRef{make_fields(w1, nb1), (i64)j * bpr, y0, j, m0, 1};
@@ -797,18 +842,7 @@ __device__ __forceinline__ void mvq_body(
         Job jb = job_at(row_first);
         load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
     }
-    if constexpr (ROPE) {
-        // every pair's angle, with rope_head's float32 operations (ops.cu), before the dots:
-        // not on the critical path of each pair's epilogue. The position was copied to the
-        // device before the graph's first kernel, so it may be read before the wait.
-        const float p_f = (float)*ra.pos;
-        for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x) {
-            float theta = p_f;
-            for (int s = 0; s < i; s++) theta = __fmul_rn(theta, ra.theta_scale);
-            float angle = __fmul_rn(ra.freq_scale, theta);
-            s_cs[i] = make_float2((float)cos((double)angle), (float)sin((double)angle));
-        }
-    }
+    if constexpr (ROPE) rope_angles(ra, s_cs);
     pdl_wait();
     MVQ_TR(tr_1);
     pdl_trigger_at(1, pdl_at);
@@ -827,23 +861,8 @@ __device__ __forceinline__ void mvq_body(
     // a job's sums over the warp's lanes, and their outputs
     auto finish = [&](const Job& jb, const float* acc_a, const float* acc_b) {
         if constexpr (ROPE) {
-            float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
-            if (lane == 0) {
-                if (jb.rot) {  // rope_head's arithmetic, pair i of the head
-                    const int hd = ra.head_dim, i = jb.pair - (jb.pair / (hd >> 1)) * (hd >> 1);
-                    const float2 cs = s_cs[i];
-                    float x0v = o0, x1v = o1;
-                    o0 = __fsub_rn(__fmul_rn(x0v, cs.x), __fmul_rn(x1v, cs.y));
-                    o1 = __fadd_rn(__fmul_rn(x0v, cs.y), __fmul_rn(x1v, cs.x));
-                }
-                jb.a.y[jb.a.r] = o0;
-                jb.b.y[jb.b.r] = o1;
-                if (jb.a.slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
-                    u16* c = jb.a.slot == 1 ? kc + (i64)crow * m1 : vc + (i64)crow * m2;
-                    c[jb.a.r] = f2h(o0);
-                    c[jb.b.r] = f2h(o1);
-                }
-            }
+            const float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
+            if (lane == 0) rope_store(jb, o0, o1, s_cs, ra, crow, kc, vc, m1, m2);
         } else if (act) {
 #pragma unroll
             for (int t = 0; t < NT; t++) {
@@ -1121,36 +1140,47 @@ __device__ __forceinline__ Fields stage_fields(const u8* base, int j, int slice)
     return f;
 }
 
-// chunk c of a stage's slice (chunk c_first + c of the row) of job a, and of b with act
-__device__ __forceinline__ void dot_chunk_s(const Fields& fa, const Fields& fb, int act, int c,
+// chunk c of a stage's slice (chunk c_first + c of the row) of row a, and of b with two
+__device__ __forceinline__ void dot_chunk_s(const Fields& fa, const Fields& fb, bool two, int c,
                                             int c_first, const XQ& x, float* acc_a,
                                             float* acc_b) {
     const QD::Raw ra = load_s(fa, c);
     acc_a[0] += QD::dot(ra, c_first + c, x);
-    if (act) {
+    if (two) {
         const QD::Raw rb = load_s(fb, c);
         acc_b[0] += QD::dot(rb, c_first + c, x);
     }
 }
 
-// Rows of w0 (y0 = W0 x, + resid with has_resid), or with act a gate (w0) and an up (w1)
-// weight of m0 rows each (y0 = act(W0 x) * (W1 x)), one token. A stage is MVQ_TMA_WARPS
-// jobs over `slice` blocks of their rows (slice = the row's bpr blocks, or a multiple of
-// 32 / CPB blocks that divides it); the block takes tiles of jobs blockIdx.x, + gridDim.x,
-// ... Dynamic shared memory: x's codes (the _q8_smem bytes, to 128), 2 n_stages mbarriers
-// (to 128), then n_stages stages of stage_bytes. The host checks every copy's 16-byte
-// alignment (Q6_K: bpr and slice multiples of 8).
-extern "C" __global__ void __launch_bounds__((MVQ_TMA_WARPS + 1) * 32, MVQ_TMA_BLOCKS)
-    matvec_q8_n1_tma(MVQ_PARAMS, int slice, int n_stages, int stage_bytes) {
+// One token: rows of w0 (y0 = W0 x, + resid with has_resid); with act a gate (w0) and an
+// up (w1) weight of m0 rows each (y0 = act(W0 x) * (W1 x)); with ROPE the RoPE pairs of Q,
+// K and V (w0, w1, w2) turned and stored as mvq_body's ROPE does. A job is a row, a gate
+// row and its up row, or a pair's two rows; a stage holds MVQ_TMA_WARPS consecutive jobs
+// over `slice` blocks of their rows (slice = the row's bpr blocks, or a multiple of 32 / CPB
+// blocks that divides it), the jobs' first rows after each other field by field, then
+// their second rows; the block takes tiles of jobs blockIdx.x, + gridDim.x, ... Dynamic
+// shared memory: x's codes (the _q8_smem bytes, to 128), 2 n_stages mbarriers (to 128),
+// then n_stages stages of stage_bytes. The host checks every copy's 16-byte alignment
+// (Q6_K: bpr and slice multiples of 8).
+template <bool ROPE>
+__device__ __forceinline__ void tma_body(
+    const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
+    int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
+    const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int norm,
+    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at, int slice,
+    int n_stages, int stage_bytes) {
     constexpr int C = MVQ_TMA_WARPS, W = C + 1;
     extern __shared__ int4 tma_smem[];
     __shared__ double red[W];
     __shared__ float s_scale[1];
+    __shared__ float2 s_cs[ROPE ? 128 : 1];  // RoPE: (cos, sin) of pair i of a head
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int nb32 = k >> 5;
     const int bpr = k / Q::BLOCK;
-    const int n_w = act ? 2 : 1;
-    const int n_tiles = (m0 + C - 1) / C;
+    const bool two = ROPE || act;
+    const int pq = m0 >> 1, pk = m1 >> 1;
+    const int n_jobs = ROPE ? pq + pk + (m2 >> 1) : m0;
+    const int n_tiles = (n_jobs + C - 1) / C;
     const int n_slices = bpr / slice;
     // this block's stages: (tile, slice) for tiles blockIdx.x + gridDim.x i
     const int my_tiles = blockIdx.x < n_tiles ? (n_tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
@@ -1164,29 +1194,43 @@ extern "C" __global__ void __launch_bounds__((MVQ_TMA_WARPS + 1) * 32, MVQ_TMA_B
     unsigned long long* empty = full + n_stages;
     u8* ring = (u8*)tma_smem + x_bytes + ((16 * n_stages + 127) & ~127);
     const Fields gw0 = make_fields(w0, nb0), gw1 = make_fields(w1, nb1);
+    // job j: its rows (one row, a gate and an up row, or a RoPE pair)
+    auto job_at = [&](int j) {
+        if constexpr (ROPE) {
+            return rope_job(j, pq, pk, bpr, ra, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
+        } else {
+            Job jb;
+            jb.rot = false, jb.pair = 0, jb.two = act != 0;
+            jb.a = RowRef{gw0, (i64)j * bpr, y0, j, m0, 0};
+            jb.b = RowRef{gw1, (i64)j * bpr, y0, j, m0, 1};
+            return jb;
+        }
+    };
 
-    // stage i's copies (the producer's lane 0): per weight and field, the tile's rows'
-    // slice, one copy for whole rows (consecutive in the field) or one a row
+    // stage i's copies (the producer's lane 0): per row of a job and field, the tile's
+    // rows' slice: one copy for consecutive rows of one weight (whole rows), else one a row
     auto issue = [&](int i) {
         const int s = i % n_stages;
         const int tile = blockIdx.x + (i / n_slices) * gridDim.x, sl = i % n_slices;
-        const int r0 = tile * C, nr = min(C, m0 - r0);
+        const int j0 = tile * C, nj = min(C, n_jobs - j0);
         u8* dst = ring + (u32)s * stage_bytes;
-        u32 total = 0;
-        for (int wi = 0; wi < n_w; wi++)
-            for (int f = 0; f < MVQ_TMA_FIELDS; f++) total += (u32)nr * slice * field_size(f);
-        bar_expect(&full[s], total);
-        for (int wi = 0; wi < n_w; wi++) {
-            const Fields& g = wi ? gw1 : gw0;
+        bar_expect(&full[s], (u32)nj * (two ? 2 : 1) * slice * TMA_QBYTES);
+#pragma unroll
+        for (int which = 0; which < 2; which++) {
+            if (which && !two) break;
+#pragma unroll
             for (int f = 0; f < MVQ_TMA_FIELDS; f++) {
                 const u32 sz = field_size(f);
-                const u8* src = field_ptr(g, f) + ((i64)r0 * bpr + (i64)sl * slice) * sz;
-                if (slice == bpr) {
-                    bulk_copy(dst, src, (u32)nr * bpr * sz, &full[s]);
+                if (!ROPE && slice == bpr) {
+                    const u8* src = field_ptr(which ? gw1 : gw0, f) + (i64)j0 * bpr * sz;
+                    bulk_copy(dst, src, (u32)nj * bpr * sz, &full[s]);
                 } else {
-                    for (int r = 0; r < nr; r++)
-                        bulk_copy(dst + (u32)r * slice * sz, src + (i64)r * bpr * sz, slice * sz,
-                                  &full[s]);
+                    for (int r = 0; r < nj; r++) {
+                        const Job jb = job_at(j0 + r);
+                        const RowRef rr = which ? jb.b : jb.a;
+                        const u8* src = field_ptr(rr.f, f) + (rr.b0 + (i64)sl * slice) * sz;
+                        bulk_copy(dst + (u32)r * slice * sz, src, slice * sz, &full[s]);
+                    }
                 }
                 dst += (u32)C * slice * sz;
             }
@@ -1201,6 +1245,7 @@ extern "C" __global__ void __launch_bounds__((MVQ_TMA_WARPS + 1) * 32, MVQ_TMA_B
     if (warp == C && lane == 0) {
         for (int i = 0; i < min(n_stages, my_stages); i++) issue(i);
     }
+    if constexpr (ROPE) rope_angles(ra, s_cs);
     pdl_wait();
     pdl_trigger_at(1, pdl_at);
     quantize_x<4, W>(x, 1, k, norm_w, eps, norm, sq, sd, ss, red, s_scale);
@@ -1217,37 +1262,61 @@ extern "C" __global__ void __launch_bounds__((MVQ_TMA_WARPS + 1) * 32, MVQ_TMA_B
         return;
     }
     const XQ x0 = {sq, sd, ss};
+    const int crow = ROPE ? *ra.start : 0;
+    u16* const kc = ROPE ? *ra.kcs : nullptr;
+    u16* const vc = ROPE ? *ra.vcs : nullptr;
     float acc_a[1] = {0.f}, acc_b[1] = {0.f};
     for (int i = 0; i < my_stages; i++) {
         const int s = i % n_stages;
         const int tile = blockIdx.x + (i / n_slices) * gridDim.x, sl = i % n_slices;
-        const int row = tile * C + warp;
+        const int j = tile * C + warp;
         bar_wait(&full[s], (u32)(i / n_stages) & 1u);
-        if (row < m0) {
-            // this job's fields in the stage: row `warp` of each field's C rows
+        if (j < n_jobs) {
+            // this job's rows in the stage: row `warp` of each field's C rows
             const u8* base = ring + (u32)s * stage_bytes;
             const Fields fa = stage_fields(base, warp, slice);
             const Fields fb = stage_fields(base + (u32)C * slice * TMA_QBYTES, warp, slice);
             const int c_first = sl * slice * QD::CPB;  // the slice's first chunk in the row
             const int n_c = slice * QD::CPB;
 #pragma unroll 2
-            for (int c = lane; c < n_c; c += 32) dot_chunk_s(fa, fb, act, c, c_first, x0, acc_a, acc_b);
+            for (int c = lane; c < n_c; c += 32) dot_chunk_s(fa, fb, two, c, c_first, x0, acc_a, acc_b);
         }
         __syncwarp();
         if (lane == 0) bar_arrive(&empty[s]);
         if (sl == n_slices - 1) {
-            if (row < m0) {
-                if (act) {
+            if (j < n_jobs) {
+                if constexpr (ROPE) {
+                    const float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
+                    if (lane == 0) rope_store(job_at(j), o0, o1, s_cs, ra, crow, kc, vc, m1, m2);
+                } else if (act) {
                     const float gv = warp_sum(acc_a[0]), uv = warp_sum(acc_b[0]);
-                    if (lane == 0) y0[row] = act == 1 ? silu_mul1(gv, uv) : gelu_mul1(gv, uv);
+                    if (lane == 0) y0[j] = act == 1 ? silu_mul1(gv, uv) : gelu_mul1(gv, uv);
                 } else {
                     const float v = warp_sum(acc_a[0]);
-                    if (lane == 0) y0[row] = has_resid ? __fadd_rn(resid[row], v) : v;
+                    if (lane == 0) y0[j] = has_resid ? __fadd_rn(resid[j], v) : v;
                 }
             }
             acc_a[0] = acc_b[0] = 0.f;
         }
     }
     pdl_trigger_at(2, pdl_at);
+}
+
+#define TMA_ARGS                                                                            \
+    w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2, k, x, norm_w, eps, norm, resid, has_resid, \
+        act,                                                                               \
+        RopeArgs{rope_pos, rope_start, kcs,   vcs,         head_dim,   head_dim_v,            \
+                 n_rot,    neox,       n_ctx, theta_scale, freq_scale},                      \
+        pdl_at, slice, n_stages, stage_bytes
+
+extern "C" __global__ void __launch_bounds__((MVQ_TMA_WARPS + 1) * 32, MVQ_TMA_BLOCKS)
+    matvec_q8_n1_tma(MVQ_PARAMS, int slice, int n_stages, int stage_bytes) {
+    tma_body<false>(TMA_ARGS);
+}
+
+// one token's Q, K and V with RoPE and the KV cache write (mvq_body's ROPE)
+extern "C" __global__ void __launch_bounds__((MVQ_TMA_WARPS + 1) * 32, MVQ_TMA_BLOCKS)
+    matvec_q8_n1_tma_rope(MVQ_PARAMS, int slice, int n_stages, int stage_bytes) {
+    tma_body<true>(TMA_ARGS);
 }
 #endif
