@@ -1207,32 +1207,42 @@ __device__ __forceinline__ void tma_body(
         }
     };
 
-    // stage i's copies (the producer's lane 0): per row of a job and field, the tile's
-    // rows' slice: one copy for consecutive rows of one weight (whole rows), else one a row
+    // stage i's copies (the producer's lane 0): each job's rows' slice, field by field
     auto issue = [&](int i) {
         const int s = i % n_stages;
         const int tile = blockIdx.x + (i / n_slices) * gridDim.x, sl = i % n_slices;
         const int j0 = tile * C, nj = min(C, n_jobs - j0);
-        u8* dst = ring + (u32)s * stage_bytes;
+        u8* const dst = ring + (u32)s * stage_bytes;
         bar_expect(&full[s], (u32)nj * (two ? 2 : 1) * slice * TMA_QBYTES);
+        if (!ROPE && slice == bpr) {  // whole rows of one weight: one copy a field
+            u8* d = dst;
 #pragma unroll
-        for (int which = 0; which < 2; which++) {
-            if (which && !two) break;
+            for (int which = 0; which < 2; which++) {
+                if (which && !two) break;
 #pragma unroll
-            for (int f = 0; f < MVQ_TMA_FIELDS; f++) {
-                const u32 sz = field_size(f);
-                if (!ROPE && slice == bpr) {
+                for (int f = 0; f < MVQ_TMA_FIELDS; f++) {
+                    const u32 sz = field_size(f);
                     const u8* src = field_ptr(which ? gw1 : gw0, f) + (i64)j0 * bpr * sz;
-                    bulk_copy(dst, src, (u32)nj * bpr * sz, &full[s]);
-                } else {
-                    for (int r = 0; r < nj; r++) {
-                        const Job jb = job_at(j0 + r);
-                        const RowRef rr = which ? jb.b : jb.a;
-                        const u8* src = field_ptr(rr.f, f) + (rr.b0 + (i64)sl * slice) * sz;
-                        bulk_copy(dst + (u32)r * slice * sz, src, slice * sz, &full[s]);
-                    }
+                    bulk_copy(d, src, (u32)nj * bpr * sz, &full[s]);
+                    d += (u32)C * slice * sz;
                 }
-                dst += (u32)C * slice * sz;
+            }
+            return;
+        }
+        for (int r = 0; r < nj; r++) {  // one copy a row and field
+            const Job jb = job_at(j0 + r);
+            u8* d = dst;
+#pragma unroll
+            for (int which = 0; which < 2; which++) {
+                if (which && !two) break;
+                const RowRef rr = which ? jb.b : jb.a;
+#pragma unroll
+                for (int f = 0; f < MVQ_TMA_FIELDS; f++) {
+                    const u32 sz = field_size(f);
+                    const u8* src = field_ptr(rr.f, f) + (rr.b0 + (i64)sl * slice) * sz;
+                    bulk_copy(d + (u32)r * slice * sz, src, slice * sz, &full[s]);
+                    d += (u32)C * slice * sz;
+                }
             }
         }
     };
