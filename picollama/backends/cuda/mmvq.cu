@@ -1040,7 +1040,10 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) mat
 #ifndef MVQ_TMA
 #define MVQ_TMA 0
 #endif
-#if MVQ_TMA && ((defined(QTYPE_Q4_K) && MVQ_Q4K_PAIR) || (defined(QTYPE_Q6_K) && MVQ_Q6K_PAIR))
+// (sm_90 on: the bulk copies and mbarriers; elsewhere the kernels are not built and the
+// host keeps the register kernels)
+#if MVQ_TMA && ((defined(QTYPE_Q4_K) && MVQ_Q4K_PAIR) || (defined(QTYPE_Q6_K) && MVQ_Q6K_PAIR)) && \
+    (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
 #ifndef MVQ_TMA_WARPS
 #define MVQ_TMA_WARPS 8
 #endif
