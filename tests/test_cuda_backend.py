@@ -429,7 +429,6 @@ def test_int8_matvec_wide_x(be, qtype, monkeypatch):
             mv.run()
         return plain, be.to_host(out)
 
-    monkeypatch.setattr(be._quant_kernels(qtype), "matvec_q8_tma", None)  # the register kernels
     wide = outputs()
     monkeypatch.setattr(cuda_backend, "_MVQ_WIDE_K", 1 << 30)
     narrow = outputs()
@@ -487,7 +486,6 @@ def test_int8_matvec_small_grid(be, qtype, monkeypatch):
             out.append(be.to_host(y))
         return out
 
-    monkeypatch.setattr(kernels, "matvec_q8_tma", None)  # the register kernels
     counted = _Counted(kernels.matvec_q8_small)
     monkeypatch.setattr(kernels, "matvec_q8_small", counted)
     small = outputs()
@@ -510,7 +508,7 @@ def test_int8_matvec_small_grid(be, qtype, monkeypatch):
     ],
     ids=["Q5_0-576", "Q4_K-2560", "Q4_K-4096", "Q6_K-4096", "Q4_K-4096-m5000", "Q6_K-2560-m5000"],
 )
-def test_int8_norm_one_token_equals_batch(be, qtype, k, m, monkeypatch):
+def test_int8_norm_one_token_equals_batch(be, qtype, k, m):
     """A folded RMS norm: one token (matvec_q8_n1) against the same token as both rows of
     a two-token launch (matvec_q8), in blocks of as many warps: the same sum of squares in
     the same order, the same codes and the same dots, so the same bits (a way to change the
@@ -522,7 +520,6 @@ def test_int8_norm_one_token_equals_batch(be, qtype, k, m, monkeypatch):
     rng = np.random.default_rng(77 + k)
     raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
     wt = be.weight("w", qtype, (k, m), raw)
-    monkeypatch.setattr(be._quant_kernels(qtype), "matvec_q8_tma", None)  # matvec_q8_n1
     row = (3.0 * rng.standard_normal((1, k))).astype(np.float32)
     norm_w = be.from_host(rng.uniform(0.5, 1.5, k).astype(np.float32))
     outs = []
@@ -536,62 +533,6 @@ def test_int8_norm_one_token_equals_batch(be, qtype, k, m, monkeypatch):
         outs.append(be.to_host(y))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][0], outs[1][1])
-
-
-@pytest.mark.parametrize(
-    "qtype,k,m,kind",
-    [
-        (GGMLType.Q4_K, 4096, 300, "gate+up"),
-        (GGMLType.Q4_K, 768, 75, "norm+resid"),
-        (GGMLType.Q6_K, 4096, 131, "norm"),
-        (GGMLType.Q6_K, 2048, 100, "resid"),
-    ],
-    ids=["Q4_K-gate-up-sliced", "Q4_K-768-whole-rows", "Q6_K-4096-sliced", "Q6_K-2048-whole"],
-)
-def test_int8_matvec_tma_equals_register_kernel(be, qtype, k, m, kind, monkeypatch):
-    """One token through matvec_q8_n1_tma (a build with MVQ_TMA=1: the weights' rows
-    streamed into shared memory by the bulk-copy engine) equals the register kernels bit
-    for bit: each row is one warp's, its lanes take the same chunks in the same order, and
-    the prologue quantizes x with the same float32 steps (a folded norm's float64 sum in
-    another order could move its scale by an ulp only within ~1e-16 of a rounding tie).
-    The cases cover stages of whole rows and of slices of rows (4096 wide: two slices), a
-    last tile of fewer rows than the block's warps, rows of a part unit (768: 12 chunks
-    a lane pass) and the gate and up weights of SwiGLU."""
-    from picollama.backends.cuda.backend import _Matvec
-
-    kernels = be._quant_kernels(qtype)
-    if kernels.matvec_q8_tma is None:
-        pytest.skip("matvec_q8_n1_tma is built with PICOLLAMA_CUDA_DEFINES=MVQ_TMA=1 only")
-    rng = np.random.default_rng(31 + k + m)
-    n_w = 2 if kind == "gate+up" else 1
-    ws = []
-    for _ in range(n_w):
-        raw = quantize(rng.standard_normal((m, k)).astype(np.float32), qtype).reshape(m, -1)
-        ws.append(be.weight("w", qtype, (k, m), raw))
-    x = be.from_host((2.0 * rng.standard_normal((1, k))).astype(np.float32))
-    norm_w = be.from_host(rng.uniform(0.5, 1.5, k).astype(np.float32))
-    resid = be.from_host(rng.standard_normal((1, m)).astype(np.float32))
-
-    def output():
-        y = be._empty((1, m))
-        mv = _Matvec(be, True, ws[0].data, y, x, 1)
-        if kind == "gate+up":
-            mv.weights.append(ws[1].data)
-            mv.act = 1
-        if "norm" in kind:
-            mv.norm_w, mv.eps = norm_w, 1e-5
-        if "resid" in kind:
-            mv.resid = resid
-        with be._stream:
-            mv.run()
-        return be.to_host(y)
-
-    counted = _Counted(kernels.matvec_q8_tma)
-    monkeypatch.setattr(kernels, "matvec_q8_tma", counted)
-    streamed = output()
-    assert counted.calls == 1
-    monkeypatch.setattr(kernels, "matvec_q8_tma", None)
-    np.testing.assert_array_equal(streamed, output())
 
 
 def test_weight_rejects_bad_rows(be):

@@ -176,7 +176,7 @@ class _Kernels:
     __slots__ = (
         "matvec", "dequant", "dequant_h", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
         "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_few",
-        "matvec_q8_tma", "matvec_q8_tma_rope", "module",
+        "module",
     )  # fmt: skip
 
     def __init__(self, matvec, dequant, dequant_h, get_rows):
@@ -186,8 +186,6 @@ class _Kernels:
         self.get_rows = get_rows
         self.matvec_q8 = self.matvec_q8_n1 = self.matvec_q8_wide = self.matvec_q8_rope = None
         self.matvec_q8_small = None  # matvec_q8_n1 in smaller blocks (mmvq.cu), if built
-        self.matvec_q8_tma = None  # one token by the bulk-copy engine (mmvq.cu, MVQ_TMA)
-        self.matvec_q8_tma_rope = None  # the same for Q, K and V with RoPE
         self.mvq_warps = 8  # warps per block of the matvec_q8 kernels (mmvq.cu's MVQ_WARPS)
         self.mvq_small_warps = 8  # the same of matvec_q8_small (MVQ_SMALL_WARPS)
         # rows of x at most -> the int8 kernel for them (matvec_q8_2, _4; matvec_q8 for 8)
@@ -439,91 +437,6 @@ def _q8_smem(n: int, k: int) -> int:
     return n * k + n * (k // 32) * 4 + n * (k // 16) * 4
 
 
-# matvec_q8_n1_tma (mmvq.cu, built with MVQ_TMA): shared memory a block at most (two fit an
-# SM beside each other: this launch's and the next one's), bytes a stage aimed at, blocks
-# of a launch an SM, and where it lets its dependents launch (common.cuh: 1, after its wait)
-_TMA_SMEM = int(layout.define_value("MVQ_TMA_SMEM_KB", 100)) << 10
-_TMA_STAGE = int(layout.define_value("MVQ_TMA_STAGE_KB", 24)) << 10
-_TMA_GRID = int(layout.define_value("MVQ_TMA_GRID", 1))
-_TMA_PDL_AT = int(layout.define_value("MVQ_TMA_PDL_AT", 1))
-_TMA_QKV = layout.define_value("MVQ_TMA_QKV", 1)  # Q/K/V with RoPE through it too
-_TMA_MAX_STAGES = 8
-
-
-def _q8_args(mv: _Matvec) -> list:
-    """The arguments of an int8 matvec launch (mmvq.cu's MVQ_PARAMS, less pdl_at)."""
-    dw0 = mv.weights[0]
-    n, k = mv.n, mv.k
-    norm = mv.norm_w is not None
-    has_resid = mv.resid is not None
-    args = []
-    for i in range(3):
-        if i < len(mv.weights):
-            dw = mv.weights[i]
-            m = dw.m
-        else:
-            dw, m = dw0, 0
-        y = mv.ys[i] if i < len(mv.ys) else mv.ys[0]
-        args += [dw.buf, np.int64(dw.n_blocks), np.int32(m), y]
-    args += [
-        np.int32(k),
-        mv.x,
-        np.int32(n),
-        mv.norm_w if norm else mv.x,
-        np.float32(mv.eps),
-        np.int32(norm),
-        mv.resid if has_resid else mv.ys[0],
-        np.int32(has_resid),
-        np.int32(mv.act),
-    ]
-    rs = mv.rope
-    if rs is None:  # the kernel reads none of these
-        args += [mv.x, mv.x, mv.x, mv.x] + [np.int32(0)] * 5 + [np.float32(0)] * 2
-    else:
-        args += [rs.pos, rs.start, rs.kcs, rs.vcs, np.int32(rs.head_dim)]
-        args += [np.int32(rs.head_dim_v), np.int32(rs.n_rot), np.int32(rs.neox)]
-        args += [np.int32(rs.n_ctx), np.float32(rs.theta_scale)]
-        args += [np.float32(rs.freq_scale)]
-    return args
-
-
-def _tma_smem(optin: int) -> int:
-    return min(_TMA_SMEM, optin - 1024)
-
-
-def _tma_plan(kernel, mv: _Matvec, optin: int) -> tuple | None:
-    """(slice, stages, stage bytes, shared memory) of a one-token matvec through
-    matvec_q8_n1_tma (or _tma_rope), or None where it does not take it: one weight (with
-    a residual or a norm), a gate and an up weight, or Q, K and V with RoPE; every bulk
-    copy 16-byte aligned (Q6_K's 2-byte scales: rows and slices of multiples of 8 blocks);
-    at least two stages that fit."""
-    n_w = len(mv.weights)
-    if mv.rope is None and n_w != (2 if mv.act else 1):
-        return None
-    two = mv.act or mv.rope is not None
-    dw0: _DeviceWeight = mv.weights[0]
-    block, fields = layout.FIELDS[dw0.qtype]
-    sizes = [size for _, size in fields]
-    bpr = mv.k // block
-    unit = 8  # blocks of 32 chunks (a warp's pass) for Q4_K and Q6_K pairs
-    if any(bpr * size % 16 for size in sizes):
-        return None
-    warps = kernel.max_threads_per_block // 32 - 1
-    per_block = sum(sizes) * warps * (2 if two else 1)  # a stage's bytes a block of a row
-    budget = _tma_smem(optin) - (-(-(mv.k * 11 // 8) // 128) * 128) - 128
-    slice_blocks = bpr
-    if slice_blocks * per_block > _TMA_STAGE and bpr % unit == 0:
-        fits = [s for s in range(unit, bpr, unit) if bpr % s == 0 and s * per_block <= _TMA_STAGE]
-        slice_blocks = max(fits) if fits else unit
-    if any(slice_blocks * size % 16 for size in sizes):
-        return None
-    stage = slice_blocks * per_block
-    n_stages = min(_TMA_MAX_STAGES, budget // stage)
-    if n_stages < 2:
-        return None
-    return slice_blocks, n_stages, stage, _tma_smem(optin) - budget + n_stages * stage
-
-
 class CUDABackend(Backend):
     """Runs the op interface on an NVIDIA GPU through CuPy.
 
@@ -716,13 +629,6 @@ class CUDABackend(Backend):
                         if small is not None:
                             kernels.matvec_q8_small = small
                             kernels.mvq_small_warps = small.max_threads_per_block // 32
-                        try:  # built with MVQ_TMA (Q4_K, Q6_K)
-                            kernels.matvec_q8_tma = mod.get_function("matvec_q8_n1_tma")
-                            if _TMA_QKV:
-                                rope = mod.get_function("matvec_q8_n1_tma_rope")
-                                kernels.matvec_q8_tma_rope = rope
-                        except cp.cuda.driver.CUDADriverError:
-                            kernels.matvec_q8_tma = kernels.matvec_q8_tma_rope = None
                     # x is staged in dynamic shared memory: allow more than 48 KiB
                     for kernel in (
                         kernels.matvec,
@@ -734,9 +640,6 @@ class CUDABackend(Backend):
                     ):
                         if kernel is not None:
                             kernel.max_dynamic_shared_size_bytes = self._mv_smem_limit()
-                    for kernel in (kernels.matvec_q8_tma, kernels.matvec_q8_tma_rope):
-                        if kernel is not None:
-                            kernel.max_dynamic_shared_size_bytes = _tma_smem(self._smem_optin)
             except cp.cuda.compiler.CompileException as err:
                 raise BackendError(
                     f"the CUDA kernels for {qtype.name} did not compile: {err}"
@@ -1625,12 +1528,6 @@ class CUDABackend(Backend):
         n, k = mv.n, mv.k
         norm = mv.norm_w is not None
         has_resid = mv.resid is not None
-        tma = kernels.matvec_q8_tma_rope if mv.rope is not None else kernels.matvec_q8_tma
-        if mv.q8 and n == 1 and tma is not None:
-            plan = _tma_plan(tma, mv, self._smem_optin)
-            if plan is not None:
-                self._run_matvec_tma(mv, tma, plan, pdl)
-                return
         if mv.q8:
             if n > 1:
                 kernel = kernels.matvec_q8_few[next(t for t in (2, 4, MV_MAX_TOKENS) if n <= t)]
@@ -1639,7 +1536,34 @@ class CUDABackend(Backend):
             else:
                 kernel = kernels.matvec_q8_wide if k >= _MVQ_WIDE_K else kernels.matvec_q8_n1
             smem = _q8_smem(n, k)
-            args = _q8_args(mv)
+            args = []
+            for i in range(3):
+                if i < len(mv.weights):
+                    dw = mv.weights[i]
+                    m = dw.m
+                else:
+                    dw, m = dw0, 0
+                y = mv.ys[i] if i < len(mv.ys) else mv.ys[0]
+                args += [dw.buf, np.int64(dw.n_blocks), np.int32(m), y]
+            args += [
+                np.int32(k),
+                mv.x,
+                np.int32(n),
+                mv.norm_w if norm else mv.x,
+                np.float32(mv.eps),
+                np.int32(norm),
+                mv.resid if has_resid else mv.ys[0],
+                np.int32(has_resid),
+                np.int32(mv.act),
+            ]
+            rs = mv.rope
+            if rs is None:  # the kernel reads none of these
+                args += [mv.x, mv.x, mv.x, mv.x] + [np.int32(0)] * 5 + [np.float32(0)] * 2
+            else:
+                args += [rs.pos, rs.start, rs.kcs, rs.vcs, np.int32(rs.head_dim)]
+                args += [np.int32(rs.head_dim_v), np.int32(rs.n_rot), np.int32(rs.neox)]
+                args += [np.int32(rs.n_ctx), np.float32(rs.theta_scale)]
+                args += [np.float32(rs.freq_scale)]
             rows = dw0.m if mv.act else sum(dw.m for dw in mv.weights)
             warps = kernels.mvq_warps
             per_warp = 1 if mv.act else 2  # a warp's rows at a time (gate and up: one)
@@ -1691,21 +1615,6 @@ class CUDABackend(Backend):
             pdl.launch(kernel, grid, (threads,), args, smem, pdl.stream)
         else:
             kernel(grid, (threads,), tuple(args), shared_mem=smem)
-
-    def _run_matvec_tma(self, mv: _Matvec, kernel, plan: tuple, pdl) -> None:
-        """One token through matvec_q8_n1_tma or its RoPE form (mmvq.cu, MVQ_TMA): a block
-        an SM (_TMA_GRID), each streaming its tiles of jobs through a ring of shared memory."""
-        slice_blocks, n_stages, stage_bytes, smem = plan
-        warps = kernel.max_threads_per_block // 32 - 1
-        n_jobs = sum(dw.m for dw in mv.weights) // 2 if mv.rope is not None else mv.weights[0].m
-        n_blocks = max(1, min(-(-n_jobs // warps), self._n_sm * _TMA_GRID))
-        args = _q8_args(mv) + [np.int32(_TMA_PDL_AT)]
-        args += [np.int32(slice_blocks), np.int32(n_stages), np.int32(stage_bytes)]
-        threads = (warps + 1) * 32
-        if pdl is not None:
-            pdl.launch(kernel, (n_blocks,), (threads,), args, smem, pdl.stream)
-        else:
-            kernel((n_blocks,), (threads,), tuple(args), shared_mem=smem)
 
     def _gemm_input(self, x) -> tuple:
         """x as ``_gemm`` takes it: (rows, the device array cuBLAS reads, its cuBLAS type,

@@ -32,7 +32,6 @@ __all__ = [
     "Q8DOT_TYPES",
     "REGION_ALIGN",
     "DeviceLayout",
-    "define_value",
     "device_layout",
     "chunk_block",
     "ops_source",
@@ -166,19 +165,6 @@ def build_defines() -> str:
             raise BackendError(f"{DEFINES_ENV}: {name!r} is not a macro name")
         lines.append(f"#define {name} {value or 1}\n")
     return "".join(lines)
-
-
-def define_value(name: str, default: int) -> int:
-    """The value ``PICOLLAMA_CUDA_DEFINES`` gives macro ``name`` (1 if named without one),
-    or ``default``: for the host's side of a build variant (e.g. MVQ_TMA's stage size)."""
-    for item in os.environ.get(DEFINES_ENV, "").split(","):
-        key, eq, value = item.strip().partition("=")
-        if key == name:
-            try:
-                return int(value) if eq else 1
-            except ValueError:
-                raise BackendError(f"{DEFINES_ENV}: {name}={value!r} is not an integer") from None
-    return default
 
 
 def ops_source() -> str:

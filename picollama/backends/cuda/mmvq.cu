@@ -646,72 +646,97 @@ struct Job {
     int pair;
 };
 
-// RoPE pair j of a Q/K/V launch (m0 / 2 pairs of q, then m1 / 2 of k, then m2 / 2 of v):
-// its two rows, their outputs, and whether and where it turns
-__device__ __forceinline__ Job rope_job(int j, int pq, int pk, int bpr, const RopeArgs& ra,
-                                        const u8* w0, i64 nb0, int m0, float* y0, const u8* w1,
-                                        i64 nb1, int m1, float* y1, const u8* w2, i64 nb2,
-                                        int m2, float* y2) {
-    Job jb;
-    const int slot = j < pq ? 0 : (j < pq + pk ? 1 : 2);
-    const int pp = slot == 0 ? j : (slot == 1 ? j - pq : j - pq - pk);
-    int r_a, r_b;
-    jb.rot = rope_pair(pp, slot == 2 ? ra.head_dim_v : ra.head_dim, slot == 2 ? 0 : ra.n_rot,
-                       ra.neox, &r_a, &r_b);
-    jb.pair = pp;
-    Fields f = make_fields(slot == 0 ? w0 : (slot == 1 ? w1 : w2),
-                           slot == 0 ? nb0 : (slot == 1 ? nb1 : nb2));
-    float* y = slot == 0 ? y0 : (slot == 1 ? y1 : y2);
-    const int m = slot == 0 ? m0 : (slot == 1 ? m1 : m2);
-    jb.a = RowRef{f, (i64)r_a * bpr, y, r_a, m, slot};
-    jb.b = RowRef{f, (i64)r_b * bpr, y, r_b, m, slot};
-    jb.two = true;
-    return jb;
-}
+// W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS)
+template <int NT, int XB, bool ROPE, int W>
+__device__ __forceinline__ void mvq_body(
+    const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
+    int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
+    const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
+    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at) {
+    extern __shared__ int4 mvq_smem[];
+    MVQ_TR(tr_0);
+#if MVQ_TRACE
+    unsigned long long tr_f = 0;
+#endif
+    __shared__ double red[W];
+    __shared__ float s_scale[NT];
+    __shared__ float2 s_cs[ROPE ? 128 : 1];  // RoPE: (cos, sin) of pair i of a head
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int nb32 = k >> 5;
+    int bpr = k / Q::BLOCK, cpr = bpr * QD::CPB;
+    int m_rows = act ? m0 : m0 + m1 + m2;
+    int row_first = blockIdx.x * W + warp;
+    int n_warps = gridDim.x * W;
 
-// every pair's angle, with rope_head's float32 operations (ops.cu), before the dots: not
-// on the critical path of each pair's epilogue. The position was copied to the device
-// before the graph's first kernel, so it may be read before the wait.
-__device__ __forceinline__ void rope_angles(const RopeArgs& ra, float2* s_cs) {
-    const float p_f = (float)*ra.pos;
-    for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x) {
-        float theta = p_f;
-        for (int s = 0; s < i; s++) theta = __fmul_rn(theta, ra.theta_scale);
-        float angle = __fmul_rn(ra.freq_scale, theta);
-        s_cs[i] = make_float2((float)cos((double)angle), (float)sin((double)angle));
-    }
-}
+    // Jobs: a gate row and its up row (act); a RoPE pair of q, k or v rows (ROPE: m0 / 2
+    // pairs of q, then m1 / 2 of k, then m2 / 2 of v); else rows j and j + n_warps. Warp w
+    // takes jobs w, w + n_warps, ... (of the second kind, w, w + 2 n_warps, ...).
+    const int pq = m0 >> 1, pk = m1 >> 1;
+    const int n_jobs = ROPE ? pq + pk + (m2 >> 1) : m_rows;
+    const int job_step = (ROPE || act) ? n_warps : 2 * n_warps;
+    auto job_at = [&](int j) {
+        Job jb;
+        jb.rot = false;
+        jb.pair = 0;
+        if constexpr (ROPE) {
+            const int slot = j < pq ? 0 : (j < pq + pk ? 1 : 2);
+            const int pp = slot == 0 ? j : (slot == 1 ? j - pq : j - pq - pk);
+            int r_a, r_b;
+            jb.rot = rope_pair(pp, slot == 2 ? ra.head_dim_v : ra.head_dim,
+                               slot == 2 ? 0 : ra.n_rot, ra.neox, &r_a, &r_b);
+            jb.pair = pp;
+            Fields f = make_fields(slot == 0 ? w0 : (slot == 1 ? w1 : w2),
+                                   slot == 0 ? nb0 : (slot == 1 ? nb1 : nb2));
+            float* y = slot == 0 ? y0 : (slot == 1 ? y1 : y2);
+            const int m = slot == 0 ? m0 : (slot == 1 ? m1 : m2);
+            jb.a = RowRef{f, (i64)r_a * bpr, y, r_a, m, slot};
+            jb.b = RowRef{f, (i64)r_b * bpr, y, r_b, m, slot};
+            jb.two = true;
+        } else if (act) {
+            jb.a = RowRef{make_fields(w0, nb0), (i64)j * bpr, y0, j, m0, 0};
+            jb.b = RowRef{make_fields(w1, nb1), (i64)j * bpr, y0, j, m0, 1};
+            jb.two = true;
+        } else {
+            const int j_b = j + n_warps;
+            jb.two = j_b < m_rows;
+            jb.a = locate(j, bpr, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
+            jb.b = locate(jb.two ? j_b : j, bpr, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2,
+                          y2);
+        }
+        return jb;
+    };
 
-// a RoPE pair's outputs (its rows' dots o0, o1): turned as rope_head turns pair i of a head,
-// written to q or k (or v), and k and v to row crow of the fp16 caches
-__device__ __forceinline__ void rope_store(const Job& jb, float o0, float o1, const float2* s_cs,
-                                           const RopeArgs& ra, int crow, u16* kc, u16* vc,
-                                           int m1, int m2) {
-    if (jb.rot) {  // rope_head's arithmetic, pair i of the head
-        const int hd = ra.head_dim, i = jb.pair - (jb.pair / (hd >> 1)) * (hd >> 1);
-        const float2 cs = s_cs[i];
-        float x0v = o0, x1v = o1;
-        o0 = __fsub_rn(__fmul_rn(x0v, cs.x), __fmul_rn(x1v, cs.y));
-        o1 = __fadd_rn(__fmul_rn(x0v, cs.y), __fmul_rn(x1v, cs.x));
+    pdl_trigger_at(0, pdl_at);
+    // The weights are constant, so the first job's first iteration of loads goes out now,
+    // into registers, while x is read and quantized (and, with dependent launches, while the
+    // kernel before still runs). (An L2 prefetch of the warp's first rows besides, 2 or 8 KB
+    // a warp, made both the 135M and the 8B shapes 4-6% slower: run 10.)
+    QD::Raw pa[QD::UNROLL], pb[QD::UNROLL];
+    // (one token only: with NT rows of x the registers would spill)
+    const bool have_first = MVQ_PRELOAD && NT == 1 && row_first < n_jobs;
+    if (have_first) {
+        Job jb = job_at(row_first);
+        load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
     }
-    jb.a.y[jb.a.r] = o0;
-    jb.b.y[jb.b.r] = o1;
-    if (jb.a.slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
-        u16* c = jb.a.slot == 1 ? kc + (i64)crow * m1 : vc + (i64)crow * m2;
-        c[jb.a.r] = f2h(o0);
-        c[jb.b.r] = f2h(o1);
+    if constexpr (ROPE) {
+        // every pair's angle, with rope_head's float32 operations (ops.cu), before the dots:
+        // not on the critical path of each pair's epilogue. The position was copied to the
+        // device before the graph's first kernel, so it may be read before the wait.
+        const float p_f = (float)*ra.pos;
+        for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x) {
+            float theta = p_f;
+            for (int s = 0; s < i; s++) theta = __fmul_rn(theta, ra.theta_scale);
+            float angle = __fmul_rn(ra.freq_scale, theta);
+            s_cs[i] = make_float2((float)cos((double)angle), (float)sin((double)angle));
+        }
     }
-}
+    pdl_wait();
+    MVQ_TR(tr_1);
+    pdl_trigger_at(1, pdl_at);
 
-// x's n rows of k values (RMS-normalized and scaled by norm_w with `norm`, as the rms_norm
-// kernel does it) quantized into shared memory as XQ reads them: k codes a row at sq, then
-// k / 32 scales at sd and k / 16 half sums at ss. Every thread of the block (W warps) calls
-// it; the caller's barrier makes the codes visible.
-template <int XB, int W>
-__device__ __forceinline__ void quantize_x(const float* __restrict__ x, int n, int k,
-                                           const float* __restrict__ norm_w, float eps,
-                                           int norm, signed char* sq, float* sd, int* ss,
-                                           double* red, float* s_scale) {
+    signed char* sq = (signed char*)mvq_smem;
+    float* sd = (float*)(sq + n * k);
+    int* ss = (int*)(sd + n * nb32);
     if (norm) {
         for (int t = 0; t < n; t++) {
             const float4* xt = (const float4*)(x + (i64)t * k);
@@ -780,77 +805,6 @@ __device__ __forceinline__ void quantize_x(const float* __restrict__ x, int n, i
             }
         }
     }
-}
-
-// W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS)
-template <int NT, int XB, bool ROPE, int W>
-__device__ __forceinline__ void mvq_body(
-    const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
-    int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
-    const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
-    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at) {
-    extern __shared__ int4 mvq_smem[];
-    MVQ_TR(tr_0);
-#if MVQ_TRACE
-    unsigned long long tr_f = 0;
-#endif
-    __shared__ double red[W];
-    __shared__ float s_scale[NT];
-    __shared__ float2 s_cs[ROPE ? 128 : 1];  // RoPE: (cos, sin) of pair i of a head
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int nb32 = k >> 5;
-    int bpr = k / Q::BLOCK, cpr = bpr * QD::CPB;
-    int m_rows = act ? m0 : m0 + m1 + m2;
-    int row_first = blockIdx.x * W + warp;
-    int n_warps = gridDim.x * W;
-
-    // Jobs: a gate row and its up row (act); a RoPE pair of q, k or v rows (ROPE: m0 / 2
-    // pairs of q, then m1 / 2 of k, then m2 / 2 of v); else rows j and j + n_warps. Warp w
-    // takes jobs w, w + n_warps, ... (of the second kind, w, w + 2 n_warps, ...).
-    const int pq = m0 >> 1, pk = m1 >> 1;
-    const int n_jobs = ROPE ? pq + pk + (m2 >> 1) : m_rows;
-    const int job_step = (ROPE || act) ? n_warps : 2 * n_warps;
-    auto job_at = [&](int j) {
-        Job jb;
-        jb.rot = false;
-        jb.pair = 0;
-        if constexpr (ROPE) {
-            jb = rope_job(j, pq, pk, bpr, ra, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
-        } else if (act) {
-            jb.a = RowRef{make_fields(w0, nb0), (i64)j * bpr, y0, j, m0, 0};
-            jb.b = RowRef{make_fields(w1, nb1), (i64)j * bpr, y0, j, m0, 1};
-            jb.two = true;
-        } else {
-            const int j_b = j + n_warps;
-            jb.two = j_b < m_rows;
-            jb.a = locate(j, bpr, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
-            jb.b = locate(jb.two ? j_b : j, bpr, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2,
-                          y2);
-        }
-        return jb;
-    };
-
-    pdl_trigger_at(0, pdl_at);
-    // The weights are constant, so the first job's first iteration of loads goes out now,
-    // into registers, while x is read and quantized (and, with dependent launches, while the
-    // kernel before still runs). (An L2 prefetch of the warp's first rows besides, 2 or 8 KB
-    // a warp, made both the 135M and the 8B shapes 4-6% slower: run 10.)
-    QD::Raw pa[QD::UNROLL], pb[QD::UNROLL];
-    // (one token only: with NT rows of x the registers would spill)
-    const bool have_first = MVQ_PRELOAD && NT == 1 && row_first < n_jobs;
-    if (have_first) {
-        Job jb = job_at(row_first);
-        load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
-    }
-    if constexpr (ROPE) rope_angles(ra, s_cs);
-    pdl_wait();
-    MVQ_TR(tr_1);
-    pdl_trigger_at(1, pdl_at);
-
-    signed char* sq = (signed char*)mvq_smem;
-    float* sd = (float*)(sq + n * k);
-    int* ss = (int*)(sd + n * nb32);
-    quantize_x<XB, W>(x, n, k, norm_w, eps, norm, sq, sd, ss, red, s_scale);
     __syncthreads();
     MVQ_TR(tr_2);
 
@@ -861,8 +815,23 @@ __device__ __forceinline__ void mvq_body(
     // a job's sums over the warp's lanes, and their outputs
     auto finish = [&](const Job& jb, const float* acc_a, const float* acc_b) {
         if constexpr (ROPE) {
-            const float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
-            if (lane == 0) rope_store(jb, o0, o1, s_cs, ra, crow, kc, vc, m1, m2);
+            float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
+            if (lane == 0) {
+                if (jb.rot) {  // rope_head's arithmetic, pair i of the head
+                    const int hd = ra.head_dim, i = jb.pair - (jb.pair / (hd >> 1)) * (hd >> 1);
+                    const float2 cs = s_cs[i];
+                    float x0v = o0, x1v = o1;
+                    o0 = __fsub_rn(__fmul_rn(x0v, cs.x), __fmul_rn(x1v, cs.y));
+                    o1 = __fadd_rn(__fmul_rn(x0v, cs.y), __fmul_rn(x1v, cs.x));
+                }
+                jb.a.y[jb.a.r] = o0;
+                jb.b.y[jb.b.r] = o1;
+                if (jb.a.slot > 0 && crow < ra.n_ctx) {  // the host checks the bound first
+                    u16* c = jb.a.slot == 1 ? kc + (i64)crow * m1 : vc + (i64)crow * m2;
+                    c[jb.a.r] = f2h(o0);
+                    c[jb.b.r] = f2h(o1);
+                }
+            }
         } else if (act) {
 #pragma unroll
             for (int t = 0; t < NT; t++) {
@@ -1023,313 +992,3 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) mat
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
     mvq_body<1, 1, true, MVQ_WARPS>(MVQ_ARGS);
 }
-
-// ---------------------------------------------------------------- weights by the bulk-copy engine
-//
-// MVQ_TMA (one token; Q4_K and Q6_K in pairs, the 8B's types): matvec_q8_n1_tma streams a
-// block's weight rows into a ring of shared-memory stages by the bulk-copy engine
-// (cp.async.bulk with an mbarrier a stage), from one producer warp, while MVQ_TMA_WARPS
-// consumer warps multiply what has landed. The producer sends its first stages at entry,
-// before the dependent-launch wait (weights are constant), so the memory works through the
-// x prologue; and the blocks are small enough (shared memory and registers) that the next
-// launch's block fits an SM beside this one's and fills its own ring while this one runs.
-// A stage holds MVQ_TMA_WARPS consecutive jobs (a row, or a gate row and its up row) over
-// `slice` blocks of the row; consumer warp w takes job w of every stage, its lanes the
-// chunks lane + 32 i as mvq_body's, so the sums are added in the same order (the results
-// are bit for bit those of matvec_q8_n1).
-#ifndef MVQ_TMA
-#define MVQ_TMA 0
-#endif
-// (sm_90 on: the bulk copies and mbarriers; elsewhere the kernels are not built and the
-// host keeps the register kernels)
-#if MVQ_TMA && ((defined(QTYPE_Q4_K) && MVQ_Q4K_PAIR) || (defined(QTYPE_Q6_K) && MVQ_Q6K_PAIR)) && \
-    (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
-#ifndef MVQ_TMA_WARPS
-#define MVQ_TMA_WARPS 8
-#endif
-#ifndef MVQ_TMA_BLOCKS
-#define MVQ_TMA_BLOCKS 2  // blocks an SM the kernel's registers are bounded for
-#endif
-#if defined(QTYPE_Q4_K)
-#define MVQ_TMA_FIELDS 2
-#else
-#define MVQ_TMA_FIELDS 4
-#endif
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 s;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(p));
-    return s;
-}
-__device__ __forceinline__ void bar_init(unsigned long long* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
-                 : "memory");
-}
-__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void bar_arrive(unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-// until the phase of the given parity has completed
-__device__ __forceinline__ void bar_wait(unsigned long long* bar, u32 parity) {
-    const u32 a = smem_u32(bar);
-    u32 done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-            "selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(a), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
-                                          unsigned long long* bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_u32(dst)),
-        "l"(src), "r"(bytes), "r"(smem_u32(bar))
-        : "memory");
-}
-
-// field f's bytes a block (the type's SZf)
-__device__ __forceinline__ u32 field_size(int f) {
-    return f == 0 ? Q::SZ0 : (f == 1 ? Q::SZ1 : (f == 2 ? Q::SZ2 : Q::SZ3));
-}
-__device__ __forceinline__ const u8* field_ptr(const Fields& fl, int f) {
-    return f == 0 ? fl.p0 : (f == 1 ? fl.p1 : (f == 2 ? fl.p2 : fl.p3));
-}
-
-// a chunk as QD::load reads it, from a stage in shared memory (plain loads: LDS)
-__device__ __forceinline__ QD::Raw load_s(const Fields& f, u32 gc) {
-    QD::Raw r;
-#if defined(QTYPE_Q4_K)
-    const u8* p = f.p1 + gc * 32;
-    r.qa = *(const uint4*)p;
-    r.qb = *(const uint4*)(p + 16);
-    const uint4 hd = *(const uint4*)(f.p0 + (gc / QD::CPB) * 16);
-    r.dm = hd.x, r.s0 = hd.y, r.s1 = hd.z, r.s2 = hd.w;
-#else
-    const u32 b = gc / QD::CPB;
-    const int u = (int)(gc % QD::CPB);
-    const int hh = u >> 1, p = u & 1;
-    const u8* lp = f.p0 + b * 128 + 64 * hh + 16 * p;
-    r.l0 = *(const uint4*)lp;
-    r.l1 = *(const uint4*)(lp + 32);
-    r.qh = *(const uint4*)(f.p1 + gc * 16);
-    const uint2 s8 = *(const uint2*)(f.p2 + b * 16 + 8 * hh);
-    r.sa = s8.x, r.sb = s8.y;
-    r.d = *(const u16*)(f.p3 + b * 2);
-#endif
-    return r;
-}
-
-// a block's bytes (the fields' sizes)
-#define TMA_QBYTES (Q::SZ0 + Q::SZ1 + Q::SZ2 + Q::SZ3)
-
-// job j's fields in a stage of MVQ_TMA_WARPS jobs at base: each field's rows one after another
-__device__ __forceinline__ Fields stage_fields(const u8* base, int j, int slice) {
-    constexpr u32 C = MVQ_TMA_WARPS;
-    Fields f;
-    f.p0 = base + (u32)j * slice * Q::SZ0;
-    base += C * slice * Q::SZ0;
-    f.p1 = base + (u32)j * slice * Q::SZ1;
-    base += C * slice * Q::SZ1;
-    f.p2 = base + (u32)j * slice * Q::SZ2;
-    base += C * slice * Q::SZ2;
-    f.p3 = base + (u32)j * slice * Q::SZ3;
-    return f;
-}
-
-// chunk c of a stage's slice (chunk c_first + c of the row) of row a, and of b with two
-__device__ __forceinline__ void dot_chunk_s(const Fields& fa, const Fields& fb, bool two, int c,
-                                            int c_first, const XQ& x, float* acc_a,
-                                            float* acc_b) {
-    const QD::Raw ra = load_s(fa, c);
-    acc_a[0] += QD::dot(ra, c_first + c, x);
-    if (two) {
-        const QD::Raw rb = load_s(fb, c);
-        acc_b[0] += QD::dot(rb, c_first + c, x);
-    }
-}
-
-// One token: rows of w0 (y0 = W0 x, + resid with has_resid); with act a gate (w0) and an
-// up (w1) weight of m0 rows each (y0 = act(W0 x) * (W1 x)); with ROPE the RoPE pairs of Q,
-// K and V (w0, w1, w2) turned and stored as mvq_body's ROPE does. A job is a row, a gate
-// row and its up row, or a pair's two rows; a stage holds MVQ_TMA_WARPS consecutive jobs
-// over `slice` blocks of their rows (slice = the row's bpr blocks, or a multiple of 32 / CPB
-// blocks that divides it), the jobs' first rows after each other field by field, then
-// their second rows; the block takes tiles of jobs blockIdx.x, + gridDim.x, ... Dynamic
-// shared memory: x's codes (the _q8_smem bytes, to 128), 2 n_stages mbarriers (to 128),
-// then n_stages stages of stage_bytes. The host checks every copy's 16-byte alignment
-// (Q6_K: bpr and slice multiples of 8).
-template <bool ROPE>
-__device__ __forceinline__ void tma_body(
-    const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
-    int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
-    const float* __restrict__ x, const float* __restrict__ norm_w, float eps, int norm,
-    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at, int slice,
-    int n_stages, int stage_bytes) {
-    constexpr int C = MVQ_TMA_WARPS, W = C + 1;
-    extern __shared__ int4 tma_smem[];
-    __shared__ double red[W];
-    __shared__ float s_scale[1];
-    __shared__ float2 s_cs[ROPE ? 128 : 1];  // RoPE: (cos, sin) of pair i of a head
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int nb32 = k >> 5;
-    const int bpr = k / Q::BLOCK;
-    const bool two = ROPE || act;
-    const int pq = m0 >> 1, pk = m1 >> 1;
-    const int n_jobs = ROPE ? pq + pk + (m2 >> 1) : m0;
-    const int n_tiles = (n_jobs + C - 1) / C;
-    const int n_slices = bpr / slice;
-    // this block's stages: (tile, slice) for tiles blockIdx.x + gridDim.x i
-    const int my_tiles = blockIdx.x < n_tiles ? (n_tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-    const int my_stages = my_tiles * n_slices;
-
-    signed char* sq = (signed char*)tma_smem;
-    float* sd = (float*)(sq + k);
-    int* ss = (int*)(sd + nb32);
-    const u32 x_bytes = ((u32)k * 11 / 8 + 127) & ~127u;
-    unsigned long long* full = (unsigned long long*)((u8*)tma_smem + x_bytes);
-    unsigned long long* empty = full + n_stages;
-    u8* ring = (u8*)tma_smem + x_bytes + ((16 * n_stages + 127) & ~127);
-    const Fields gw0 = make_fields(w0, nb0), gw1 = make_fields(w1, nb1);
-    // job j: its rows (one row, a gate and an up row, or a RoPE pair)
-    auto job_at = [&](int j) {
-        if constexpr (ROPE) {
-            return rope_job(j, pq, pk, bpr, ra, w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2);
-        } else {
-            Job jb;
-            jb.rot = false, jb.pair = 0, jb.two = act != 0;
-            jb.a = RowRef{gw0, (i64)j * bpr, y0, j, m0, 0};
-            jb.b = RowRef{gw1, (i64)j * bpr, y0, j, m0, 1};
-            return jb;
-        }
-    };
-
-    // stage i's copies (the producer's lane 0): each job's rows' slice, field by field
-    auto issue = [&](int i) {
-        const int s = i % n_stages;
-        const int tile = blockIdx.x + (i / n_slices) * gridDim.x, sl = i % n_slices;
-        const int j0 = tile * C, nj = min(C, n_jobs - j0);
-        u8* const dst = ring + (u32)s * stage_bytes;
-        bar_expect(&full[s], (u32)nj * (two ? 2 : 1) * slice * TMA_QBYTES);
-        if (!ROPE && slice == bpr) {  // whole rows of one weight: one copy a field
-            u8* d = dst;
-#pragma unroll
-            for (int which = 0; which < 2; which++) {
-                if (which && !two) break;
-#pragma unroll
-                for (int f = 0; f < MVQ_TMA_FIELDS; f++) {
-                    const u32 sz = field_size(f);
-                    const u8* src = field_ptr(which ? gw1 : gw0, f) + (i64)j0 * bpr * sz;
-                    bulk_copy(d, src, (u32)nj * bpr * sz, &full[s]);
-                    d += (u32)C * slice * sz;
-                }
-            }
-            return;
-        }
-        for (int r = 0; r < nj; r++) {  // one copy a row and field
-            const Job jb = job_at(j0 + r);
-            u8* d = dst;
-#pragma unroll
-            for (int which = 0; which < 2; which++) {
-                if (which && !two) break;
-                const RowRef rr = which ? jb.b : jb.a;
-#pragma unroll
-                for (int f = 0; f < MVQ_TMA_FIELDS; f++) {
-                    const u32 sz = field_size(f);
-                    const u8* src = field_ptr(rr.f, f) + (rr.b0 + (i64)sl * slice) * sz;
-                    bulk_copy(d + (u32)r * slice * sz, src, slice * sz, &full[s]);
-                    d += (u32)C * slice * sz;
-                }
-            }
-        }
-    };
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < n_stages; s++) bar_init(&full[s], 1), bar_init(&empty[s], C);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    pdl_trigger_at(0, pdl_at);
-    if (warp == C && lane == 0) {
-        for (int i = 0; i < min(n_stages, my_stages); i++) issue(i);
-    }
-    if constexpr (ROPE) rope_angles(ra, s_cs);
-    pdl_wait();
-    pdl_trigger_at(1, pdl_at);
-    quantize_x<4, W>(x, 1, k, norm_w, eps, norm, sq, sd, ss, red, s_scale);
-    __syncthreads();
-
-    if (warp == C) {  // the producer: each later stage once the consumers are done with its slot
-        if (lane == 0) {
-            for (int i = n_stages; i < my_stages; i++) {
-                bar_wait(&empty[i % n_stages], (u32)(i / n_stages - 1) & 1u);
-                issue(i);
-            }
-        }
-        pdl_trigger_at(2, pdl_at);
-        return;
-    }
-    const XQ x0 = {sq, sd, ss};
-    const int crow = ROPE ? *ra.start : 0;
-    u16* const kc = ROPE ? *ra.kcs : nullptr;
-    u16* const vc = ROPE ? *ra.vcs : nullptr;
-    float acc_a[1] = {0.f}, acc_b[1] = {0.f};
-    for (int i = 0; i < my_stages; i++) {
-        const int s = i % n_stages;
-        const int tile = blockIdx.x + (i / n_slices) * gridDim.x, sl = i % n_slices;
-        const int j = tile * C + warp;
-        bar_wait(&full[s], (u32)(i / n_stages) & 1u);
-        if (j < n_jobs) {
-            // this job's rows in the stage: row `warp` of each field's C rows
-            const u8* base = ring + (u32)s * stage_bytes;
-            const Fields fa = stage_fields(base, warp, slice);
-            const Fields fb = stage_fields(base + (u32)C * slice * TMA_QBYTES, warp, slice);
-            const int c_first = sl * slice * QD::CPB;  // the slice's first chunk in the row
-            const int n_c = slice * QD::CPB;
-#pragma unroll 2
-            for (int c = lane; c < n_c; c += 32) dot_chunk_s(fa, fb, two, c, c_first, x0, acc_a, acc_b);
-        }
-        __syncwarp();
-        if (lane == 0) bar_arrive(&empty[s]);
-        if (sl == n_slices - 1) {
-            if (j < n_jobs) {
-                if constexpr (ROPE) {
-                    const float o0 = warp_sum(acc_a[0]), o1 = warp_sum(acc_b[0]);
-                    if (lane == 0) rope_store(job_at(j), o0, o1, s_cs, ra, crow, kc, vc, m1, m2);
-                } else if (act) {
-                    const float gv = warp_sum(acc_a[0]), uv = warp_sum(acc_b[0]);
-                    if (lane == 0) y0[j] = act == 1 ? silu_mul1(gv, uv) : gelu_mul1(gv, uv);
-                } else {
-                    const float v = warp_sum(acc_a[0]);
-                    if (lane == 0) y0[j] = has_resid ? __fadd_rn(resid[j], v) : v;
-                }
-            }
-            acc_a[0] = acc_b[0] = 0.f;
-        }
-    }
-    pdl_trigger_at(2, pdl_at);
-}
-
-#define TMA_ARGS                                                                            \
-    w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2, k, x, norm_w, eps, norm, resid, has_resid, \
-        act,                                                                               \
-        RopeArgs{rope_pos, rope_start, kcs,   vcs,         head_dim,   head_dim_v,            \
-                 n_rot,    neox,       n_ctx, theta_scale, freq_scale},                      \
-        pdl_at, slice, n_stages, stage_bytes
-
-extern "C" __global__ void __launch_bounds__((MVQ_TMA_WARPS + 1) * 32, MVQ_TMA_BLOCKS)
-    matvec_q8_n1_tma(MVQ_PARAMS, int slice, int n_stages, int stage_bytes) {
-    tma_body<false>(TMA_ARGS);
-}
-
-// one token's Q, K and V with RoPE and the KV cache write (mvq_body's ROPE)
-extern "C" __global__ void __launch_bounds__((MVQ_TMA_WARPS + 1) * 32, MVQ_TMA_BLOCKS)
-    matvec_q8_n1_tma_rope(MVQ_PARAMS, int slice, int n_stages, int stage_bytes) {
-    tma_body<true>(TMA_ARGS);
-}
-#endif
