@@ -773,10 +773,12 @@ def _graph_us(be, launches, reps: int) -> float:
 
 
 def _model_path(directory: str, spec: str) -> str:
-    """The synthetic file of ``spec`` ("135m-q4_k_m") in ``directory``, written if missing."""
+    """The synthetic file of ``spec`` ("135m-q4_k_m") in ``directory``, written (and the
+    directory made) if missing."""
     shape_name, mix = spec.split("-", 1)
     path = os.path.join(directory, f"synth-{spec}.gguf")
     if not os.path.exists(path):
+        os.makedirs(directory, exist_ok=True)
         t0 = time.perf_counter()
         write_model(path, shape_name, mix, seed=zlib.crc32(spec.encode()))
         print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -891,13 +893,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.write_only:
-        os.makedirs(args.dir, exist_ok=True)
         for spec in args.models.split(","):
             print(_model_path(args.dir, spec), flush=True)
         return 0
 
     if args.trace:
-        os.makedirs(args.dir, exist_ok=True)
         if args.define:
             from picollama.backends.cuda import layout
 
@@ -907,7 +907,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.ab:
-        os.makedirs(args.dir, exist_ok=True)
         paths = {spec: _model_path(args.dir, spec) for spec in args.models.split(",")}
         builds = {"default": list(args.define)}
         for variant in args.ab:
@@ -955,7 +954,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.streams:
         levels = tuple(int(v) for v in args.streams.split(","))
-        os.makedirs(args.dir, exist_ok=True)
         print("| model | sequences | ms a step | tokens/s | vs 1 sequence |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for spec in args.models.split(","):
@@ -987,7 +985,6 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(res))
         return 0
 
-    os.makedirs(args.dir, exist_ok=True)
     rows = []
     peers: dict[str, dict] = {}
     for spec in args.models.split(","):
