@@ -1,0 +1,38 @@
+"""``stream_bench``: the cases it times, and (on a GPU) that each case reads the buffer.
+
+Without CuPy or a GPU the timed test skips with the reason."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from picollama.backends.cuda.stream_bench import bulk_cases, stream_bench
+
+
+def test_bulk_cases_fit_a_multiprocessors_shared_memory_and_copy_whole_pieces():
+    cases = bulk_cases()
+    assert cases and len(bulk_cases(quick=True)) < len(cases)
+    for c in cases:
+        stage = c["stage_kb"] * 1024
+        assert c["blocks"] * c["stages"] * c["stage_kb"] <= 200
+        assert stage % c["pieces"] == 0 and (stage // c["pieces"]) % 16 == 0  # bulk copy rule
+        assert 1 <= c["issuers"] <= min(32, c["pieces"])
+    # both ways of freeing a slot, and one copy a stage beside many from far apart
+    assert {c["consumers"] for c in cases} == {0, 8}
+    assert {(c["pieces"], c["scatter"]) for c in cases} >= {(1, 0), (32, 1)}
+
+
+def test_every_case_streams_the_buffer_on_a_gpu():
+    cp = pytest.importorskip("cupy", reason="stream_bench needs CuPy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError as err:
+        pytest.skip(f"no CUDA device here: {err}")
+    rows = list(stream_bench(mib=64, reps=1, quick=True))
+    labels = [label for label, _, _ in rows]
+    assert labels[0].startswith("device copy") and any(x.startswith("ldg") for x in labels)
+    assert sum(x.startswith("bulk") for x in labels) == len(bulk_cases(quick=True))
+    for label, rate, _ in rows:
+        assert math.isfinite(rate) and rate > 1, label  # GB/s: a hung ring would not return
