@@ -535,6 +535,75 @@ def test_int8_norm_one_token_equals_batch(be, qtype, k, m):
     np.testing.assert_array_equal(outs[0][0], outs[1][1])
 
 
+@pytest.mark.parametrize(
+    "k,m,kind",
+    [(4096, 2400, "gate+up"), (2048, 5000, "norm+resid"), (4096, 300, "plain"), (2048, 0, "rope")],
+)
+def test_int8_matvec_bpre_equals_register_path(be, k, m, kind, monkeypatch):
+    """One Q4_K token in the MVQ_BPRE build (each warp's first job from shared memory, filled
+    by bulk copies at the block's entry) equals the register path of the same kernel bit for
+    bit: the lanes take the same chunks in the same order. The register path is what a
+    block takes when its launch gets only x's shared memory (``_bpre_smem`` patched out).
+    The cases: SwiGLU's gate and up tiles, rows j and j + n_warps of one weight (m = 300:
+    the last blocks' second rows run past m, so they take the register path), a folded
+    norm, and the Q/K/V launch with RoPE's pairs (the Q, K and V tiles); with more jobs
+    than the grid's warps (all but the 300) a warp goes on from its tiled job to the
+    register pipe. (Rows of k a multiple of 2048 only: whole iterations of 32 chunks.)"""
+    from picollama.backends.cuda.backend import _Matvec, _RopeStore
+
+    kernels = be._quant_kernels(GGMLType.Q4_K)
+    if not layout.define_value("MVQ_BPRE", 0):
+        pytest.skip("the path is built with PICOLLAMA_CUDA_DEFINES=MVQ_BPRE=1 only")
+    rng = np.random.default_rng(73 + k + m)
+    hd, n_heads, n_kv, pos = 128, 32, 8, 3
+    if kind == "rope":
+        ms = [n_heads * hd, n_kv * hd, n_kv * hd]
+    else:
+        ms = [m] * (2 if kind == "gate+up" else 1)
+    ws = []
+    for mi in ms:
+        raw = quantize(rng.standard_normal((mi, k)).astype(np.float32), GGMLType.Q4_K)
+        ws.append(be.weight("w", GGMLType.Q4_K, (k, mi), raw.reshape(mi, -1)))
+    x = be.from_host((2.0 * rng.standard_normal((1, k))).astype(np.float32))
+    norm_w = be.from_host(rng.uniform(0.5, 1.5, k).astype(np.float32))
+    resid = be.from_host(rng.standard_normal((1, ms[0])).astype(np.float32))
+    cp = pytest.importorskip("cupy")
+    counter = cp.ndarray((1,), cp.uint32, memptr=kernels.module.get_global("mvq_bpre_blocks"))
+
+    def output():
+        ys = [be._empty((1, mi)) for mi in (ms if kind == "rope" else ms[:1])]
+        mv = _Matvec(be, True, ws[0].data, ys[0], x, 1)
+        if kind == "gate+up":
+            mv.weights.append(ws[1].data)
+            mv.act = 1
+        if kind == "norm+resid":
+            mv.norm_w, mv.eps, mv.resid = norm_w, 1e-5, resid
+        if kind == "rope":
+            cache = be.new_kv_cache(1, 8, n_kv, hd, hd)
+            mv.weights += [ws[1].data, ws[2].data]
+            mv.ys += ys[1:]
+            dev_pos = be._upload_i32(np.array([pos]))
+            table = be._cache_table([cache])[1][0]
+            theta = np.float32(np.float32(10000.0) ** (np.float32(-2.0) / np.float32(hd)))
+            mv.rope = _RopeStore(dev_pos, dev_pos, table[0], table[1], hd, hd, hd, False, 8,
+                                 theta, np.float32(1.0))  # fmt: skip
+        counter.fill(0)
+        with be._stream:
+            mv.run()
+        out = [be.to_host(y) for y in ys]
+        if kind == "rope":
+            out += [cache.k[0].get()[pos], cache.v[0].get()[pos]]
+        return out, int(counter.get()[0])
+
+    tiled, n_tiled = output()
+    assert n_tiled > 0
+    monkeypatch.setattr(type(be), "_bpre_smem", lambda self, smem, k, warps: smem)
+    plain, n_plain = output()
+    assert n_plain == 0
+    for a, b in zip(tiled, plain, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_weight_rejects_bad_rows(be):
     raw = np.zeros((2, GGML_TYPES[GGMLType.Q4_0].type_size), np.uint8)
     with pytest.raises(BackendError, match="multiple of"):
