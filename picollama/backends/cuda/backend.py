@@ -650,16 +650,6 @@ class CUDABackend(Backend):
     def _mv_smem_limit(self) -> int:
         return min(_MV_SMEM_LIMIT, self._smem_optin - 1024)
 
-    def _bpre_smem(self, smem: int, k: int, warps: int) -> int:
-        """A one-token Q4_K matvec's shared memory in the MVQ_BPRE build (mmvq.cu): x's, to
-        128 bytes, an mbarrier's 128, then two tiles of ``warps`` rows; ``smem`` where that
-        does not fit (the kernel then takes its register path) or in the default build."""
-        if not layout.define_value("MVQ_BPRE", 0):
-            return smem
-        tiles = 2 * warps * (k // 256) * layout.ggml_block_bytes(GGMLType.Q4_K)
-        total = -(-smem // 128) * 128 + 128 + tiles
-        return total if total <= self._mv_smem_limit() else smem
-
     def _launch(self, kernel, grid, block, args, shared_mem=0):
         """Launch on the backend's stream (the caller holds ``with self._stream``)."""
         launch = _Launch(kernel, grid, block, args, shared_mem)
@@ -1589,8 +1579,6 @@ class CUDABackend(Backend):
                 kernel, warps = small, kernels.mvq_small_warps
             rows_per_block = warps * per_warp
             threads = warps * 32
-            if n == 1 and dw0.qtype == GGMLType.Q4_K and kernel is not kernels.matvec_q8_wide:
-                smem = self._bpre_smem(smem, k, warps)
         else:
             assert len(mv.weights) == 1 and not mv.act, "the float matvec takes one weight"
             kernel = kernels.matvec

@@ -646,62 +646,6 @@ struct Job {
     int pair;
 };
 
-// MVQ_BPRE (one token, Q4_K in pairs; sm_90 on): each warp's first job comes from shared
-// memory, brought there at the block's entry by the bulk-copy engine, instead of its first
-// unit from registers. The block's W warps take W consecutive jobs first, so their rows are
-// two tiles of W consecutive rows of one weight each (gate and up rows; rows j and
-// j + n_warps; a RoPE pair's rows 2 p, 2 p + 1), contiguous in each field: four copies of
-// 2-36 KB. A load of x waits a third as long behind bulk copies as behind the same bytes of
-// register loads (stream_bench's x_behind: ~1000 against ~3100 cycles on an H100), and
-// the normed launches read x in three round trips after their dependent-launch wait. The
-// host adds the tiles' bytes to the dynamic shared memory; a block whose tiles don't fit
-// what it was given, cross a weight's end or start unaligned takes the register path.
-#ifndef MVQ_BPRE
-#define MVQ_BPRE 0
-#endif
-#if MVQ_BPRE && defined(QTYPE_Q4_K) && MVQ_Q4K_PAIR && MVQ_PIPE && MVQ_PRELOAD && \
-    defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define MVQ_BPRE_ON 1
-static_assert(QD::UNROLL == 1, "MVQ_BPRE: one chunk a lane an iteration (the pipe's Q4_K)");
-__device__ unsigned int mvq_bpre_blocks;  // blocks that took the path (the tests read it)
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ u32 dynamic_smem_bytes() {
-    u32 v;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
-    return v;
-}
-__device__ __forceinline__ void bpre_copy(void* dst, const void* src, u32 bytes,
-                                          unsigned long long* bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
-        : "memory");
-}
-__device__ __forceinline__ void bpre_wait(unsigned long long* bar) {
-    u32 done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; "
-            "selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(smem_addr(bar))
-            : "memory");
-    } while (!done);
-}
-// a chunk as QD::load reads it, from a row's fields in shared memory (hd: its blocks'
-// (d, dmin) and scales, qs: its codes; c counts from the row's first chunk)
-__device__ __forceinline__ QD::Raw bpre_load(const u8* hd, const u8* qs, int c) {
-    QD::Raw r;
-    r.qa = *(const uint4*)(qs + 32 * c);
-    r.qb = *(const uint4*)(qs + 32 * c + 16);
-    const uint4 h = *(const uint4*)(hd + 16 * (c / QD::CPB));
-    r.dm = h.x, r.s0 = h.y, r.s1 = h.z, r.s2 = h.w;
-    return r;
-}
-#else
-#define MVQ_BPRE_ON 0
-#endif
-
 // W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS)
 template <int NT, int XB, bool ROPE, int W>
 __device__ __forceinline__ void mvq_body(
@@ -770,57 +714,7 @@ __device__ __forceinline__ void mvq_body(
     QD::Raw pa[QD::UNROLL], pb[QD::UNROLL];
     // (one token only: with NT rows of x the registers would spill)
     const bool have_first = MVQ_PRELOAD && NT == 1 && row_first < n_jobs;
-#if MVQ_BPRE_ON
-    // MVQ_BPRE: tiles t = 0, 1 of W rows each (rows tr[t] .. of the weight with fields
-    // tf[t]), at tiles + t tile_bytes in shared memory: the W rows' headers, then their
-    // codes. Warp w's first job has its rows at rel_a and rel_b of the 2 W (below).
-    const int tile_bytes = W * bpr * (Q::SZ0 + Q::SZ1);
-    const u32 x_end = ((u32)k * 11 / 8 + 127) & ~127u;  // the _q8_smem bytes of one token
-    unsigned long long* const bbar = (unsigned long long*)((u8*)mvq_smem + x_end);
-    u8* const tiles = (u8*)mvq_smem + x_end + 128;
-    bool bpre = false;
-    Fields tf[2];
-    int tr[2];
-    if constexpr (NT == 1) {
-        const int j0 = blockIdx.x * W;  // the block's first jobs: j0 .. j0 + W - 1
-        bpre = have_first && j0 + W <= n_jobs && cpr % 32 == 0 &&
-               dynamic_smem_bytes() >= x_end + 128 + 2 * (u32)tile_bytes;
-        if (bpre) {
-            const Job first = job_at(j0), last = job_at(j0 + W - 1);
-            if constexpr (ROPE) {  // rows 2 j0 .. 2 j0 + 2 W - 1 of one weight
-                bpre = !ra.neox && first.a.slot == last.a.slot;
-                tf[0] = tf[1] = first.a.f;
-                tr[0] = first.a.r, tr[1] = first.a.r + W;
-            } else {  // rows j0 .. of w0 (gate) and of w1 (up), or j0 .. and j0 + n_warps ..
-                bpre = first.two && last.two && first.a.slot == last.a.slot &&
-                       first.b.slot == last.b.slot;
-                tf[0] = first.a.f, tf[1] = first.b.f;
-                tr[0] = first.a.r, tr[1] = first.b.r;
-            }
-#pragma unroll
-            for (int t = 0; t < 2; t++)
-                bpre = bpre && ((size_t)(tf[t].p0 + (i64)tr[t] * bpr * Q::SZ0) & 15) == 0 &&
-                       ((size_t)(tf[t].p1 + (i64)tr[t] * bpr * Q::SZ1) & 15) == 0;
-        }
-        if (bpre && threadIdx.x == 0) {
-            atomicAdd(&mvq_bpre_blocks, 1u);
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bbar)) : "memory");
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                         ::"r"(smem_addr(bbar)), "r"(2 * (u32)tile_bytes) : "memory");
-#pragma unroll
-            for (int t = 0; t < 2; t++) {
-                u8* d = tiles + t * tile_bytes;
-                const u32 nh = (u32)(W * bpr * Q::SZ0);
-                bpre_copy(d, tf[t].p0 + (i64)tr[t] * bpr * Q::SZ0, nh, bbar);
-                bpre_copy(d + nh, tf[t].p1 + (i64)tr[t] * bpr * Q::SZ1, (u32)(W * bpr * Q::SZ1), bbar);
-            }
-        }
-    }
-    if (have_first && !bpre) {
-#else
     if (have_first) {
-#endif
         Job jb = job_at(row_first);
         load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
     }
@@ -998,34 +892,6 @@ __device__ __forceinline__ void mvq_body(
             QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];
             int jc = row_first, it = 0;
             float acc_a[1] = {0.f}, acc_b[1] = {0.f};
-#if MVQ_BPRE_ON
-            if (bpre) {
-                // the warp's second job's first unit goes out into registers, then its
-                // first job is multiplied from the tiles, unit by unit as the pipe would
-                jc = row_first + job_step;
-                if (jc < n_jobs) {
-                    const Job jn = job_at(jc);
-                    with_all(jn, [&](auto all) {
-                        load_iter<decltype(all)::value>(jn.a.f, jn.a.b0, jn.b.f, jn.b.b0, jn.two,
-                                                        cpr, lane, pa, pb);
-                    });
-                }
-                const int rel_a = ROPE ? 2 * warp : warp, rel_b = ROPE ? 2 * warp + 1 : W + warp;
-                const u8* ta = tiles + (rel_a / W) * tile_bytes;
-                const u8* tb = tiles + (rel_b / W) * tile_bytes;
-                const u8* ha = ta + (rel_a % W) * bpr * Q::SZ0;
-                const u8* qa_s = ta + W * bpr * Q::SZ0 + (rel_a % W) * bpr * Q::SZ1;
-                const u8* hb = tb + (rel_b % W) * bpr * Q::SZ0;
-                const u8* qb_s = tb + W * bpr * Q::SZ0 + (rel_b % W) * bpr * Q::SZ1;
-                bpre_wait(bbar);
-                for (int c = lane; c < cpr; c += 32) {
-                    const QD::Raw ra1[1] = {bpre_load(ha, qa_s, c)}, rb1[1] = {bpre_load(hb, qb_s, c)};
-                    dot_iter<1, true>(ra1, rb1, true, cpr, c, x0, k, n, acc_a, acc_b);
-                }
-                finish(job_at(row_first), acc_a, acc_b);
-                acc_a[0] = acc_b[0] = 0.f;
-            }
-#endif
             // multiply the unit (job jc, iteration it) in (ca, cb) after issuing the next
             // one's loads into (na, nb); false when the warp has no unit left. (Jobs are
             // located again where they are used, rather than kept live across units.)
@@ -1054,9 +920,7 @@ __device__ __forceinline__ void mvq_body(
                 MVQ_TR_FIRST();
                 return more;
             };
-            if (jc < n_jobs) {
-                while (step(pa, pb, qa, qb) && step(qa, qb, pa, pb)) {
-                }
+            while (step(pa, pb, qa, qb) && step(qa, qb, pa, pb)) {
             }
         }
         MVQ_TR_END();
