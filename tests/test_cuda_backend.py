@@ -535,6 +535,55 @@ def test_int8_norm_one_token_equals_batch(be, qtype, k, m):
     np.testing.assert_array_equal(outs[0][0], outs[1][1])
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_int8_norm_takes_the_writers_sum_of_squares(be, qtype):
+    """A decode graph's residual matvec leaves its blocks' sums of x's squares for the normed
+    matvec after it (_SumSquares): the sums add up to x's (float64, to rounding), the reader
+    normalizes x by them within the int8 bound (the sum in another order moves the scale by
+    an ulp at most), and it does read them: four times the sums halve its output exactly
+    (eps 0: the scale halves, x's codes stay, their scales halve)."""
+    from picollama.backends.cuda.backend import _Matvec, _SumSquares
+
+    cp = pytest.importorskip("cupy")
+    rng = np.random.default_rng(91 + int(qtype))
+    k_in, d, m = 2048, 4096, 300  # writer: d rows of k_in; reader: m rows of d
+    raws = [quantize(rng.standard_normal((r, c)).astype(np.float32), qtype).reshape(r, -1)
+            for r, c in ((d, k_in), (m, d))]  # fmt: skip
+    w_write = be.weight("w", qtype, (k_in, d), raws[0])
+    w_read = be.weight("w", qtype, (d, m), raws[1])
+    h = be.from_host(rng.standard_normal((1, k_in)).astype(np.float32))
+    resid = be.from_host(rng.standard_normal((1, d)).astype(np.float32))
+    norm_w = be.from_host(rng.uniform(0.5, 1.5, d).astype(np.float32))
+
+    def run(link, eps=1e-5, factor=1.0):
+        x = be._empty((1, d))
+        writer = _Matvec(be, True, w_write.data, x, h, 1)
+        writer.resid = resid
+        reader = _Matvec(be, True, w_read.data, be._empty((1, m)), x, 1)
+        reader.norm_w, reader.eps = norm_w, eps
+        writer.ssq_out = reader.ssq_in = link
+        with be._stream:
+            writer.run()
+            if factor != 1.0:
+                link.buf *= factor
+            reader.run()
+        return be.to_host(x), be.to_host(reader.ys[0])
+
+    x_ref, y_ref = run(None)
+    link = _SumSquares(cp.zeros((256,), dtype=cp.float64))
+    x_got, y_got = run(link)
+    np.testing.assert_array_equal(x_got, x_ref)
+    assert 0 < link.n <= 256
+    sums = link.buf.get()
+    want = np.sum(x_ref.astype(np.float64) ** 2)
+    assert abs(sums[: link.n].sum() - want) <= 1e-12 * want and not sums[link.n :].any()
+    assert np.abs(y_got - y_ref).max() <= 1e-5 * np.abs(y_ref).max()
+    _, y_linked = run(_SumSquares(cp.zeros((256,), dtype=cp.float64)), eps=0.0)
+    _, y_quarter = run(_SumSquares(cp.zeros((256,), dtype=cp.float64)), eps=0.0, factor=4.0)
+    assert np.abs(y_linked).max() > 0
+    np.testing.assert_array_equal(y_quarter, 0.5 * y_linked)
+
+
 def test_weight_rejects_bad_rows(be):
     raw = np.zeros((2, GGML_TYPES[GGMLType.Q4_0].type_size), np.uint8)
     with pytest.raises(BackendError, match="multiple of"):

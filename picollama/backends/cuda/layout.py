@@ -167,6 +167,19 @@ def build_defines() -> str:
     return "".join(lines)
 
 
+def define_value(name: str, default: int) -> int:
+    """The value ``PICOLLAMA_CUDA_DEFINES`` gives macro ``name`` (1 if named without one),
+    or ``default``: for the host's side of a build variant (e.g. MVQ_SSQ's links)."""
+    for item in os.environ.get(DEFINES_ENV, "").split(","):
+        key, eq, value = item.strip().partition("=")
+        if key == name:
+            try:
+                return int(value) if eq else 1
+            except ValueError:
+                raise BackendError(f"{DEFINES_ENV}: {name}={value!r} is not an integer") from None
+    return default
+
+
 def ops_source() -> str:
     """CUDA C of the non-matmul ops (common helpers prepended)."""
     return build_defines() + _read("common.cuh") + "\n" + _read("ops.cu")

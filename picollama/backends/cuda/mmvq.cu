@@ -109,6 +109,12 @@
 #define MVQ_PRELOAD 1
 #endif
 
+// The most blocks a launch that writes x may have for its reader to take x's sum of squares
+// from their partial sums (ssq_out / ssq_in below); the host links no bigger launch.
+#ifndef MVQ_SSQ_MAX
+#define MVQ_SSQ_MAX 256
+#endif
+
 // MVQ_TRACE (a diagnostic build: bench_synthetic --trace): each warp of the one-token
 // kernels writes its times (%globaltimer, ns) into mvq_trace: entry, the dependent-launch
 // wait done, x quantized, its first unit multiplied, done; with the first weight's address,
@@ -652,7 +658,8 @@ __device__ __forceinline__ void mvq_body(
     const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
     int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
     const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
-    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, int pdl_at) {
+    const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, double* ssq_out,
+    const double* __restrict__ ssq_in, int ssq_n, int pdl_at) {
     extern __shared__ int4 mvq_smem[];
     MVQ_TR(tr_0);
 #if MVQ_TRACE
@@ -737,7 +744,12 @@ __device__ __forceinline__ void mvq_body(
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
     int* ss = (int*)(sd + n * nb32);
-    if (norm) {
+    // ssq_in (one token, with norm): the sum of x's squares comes from the launch that wrote
+    // x, one partial sum a block of it (ssq_n of them, at most MVQ_SSQ_MAX): loaded beside x
+    // in its first round, so the norm costs no round trip and no block barrier of its own
+    // (not in the wide-x kernel, XB 4, whose registers it would spill: no normed x is wide)
+    const bool ssq = NT == 1 && XB <= 2 && norm && ssq_in != nullptr;
+    if (norm && !ssq) {
         for (int t = 0; t < n; t++) {
             const float4* xt = (const float4*)(x + (i64)t * k);
             double acc = 0.0;
@@ -755,8 +767,17 @@ __device__ __forceinline__ void mvq_body(
     // need whole warps); lanes past the end compute on zeros and store nothing. The loads
     // of XB rounds are issued before the first is used (wide x: one latency, not XB).
     int n4 = n * k / 4;
+    float ssq_scale = 0.f;
     for (int base0 = 0; base0 < n4; base0 += XB * W * 32) {
         float4 xv[XB], gv[XB];
+        double sl[MVQ_SSQ_MAX / 32];
+        if (ssq && base0 == 0) {  // issued before x's loads, added after (one round trip)
+#pragma unroll
+            for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) {
+                const int i = lane + 32 * u;
+                sl[u] = i < ssq_n ? ssq_in[i] : 0.0;
+            }
+        }
 #pragma unroll
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
@@ -767,6 +788,14 @@ __device__ __forceinline__ void mvq_body(
             if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
             if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
         }
+        if (ssq && base0 == 0) {  // the same sum, bit for bit, in every lane of every block
+            double v = 0.0;
+#pragma unroll
+            for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) v += sl[u];
+            v = warp_sum_d(v);
+            const float mean = (float)(v / (double)k);  // block_rms_scale's float32 steps
+            ssq_scale = 1.0f / (float)sqrt((double)__fadd_rn(mean, eps));
+        }
 #pragma unroll
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
@@ -774,7 +803,7 @@ __device__ __forceinline__ void mvq_body(
             int t = in ? (4 * i4) / k : 0;
             float4 v = xv[r];
             if (norm && in) {
-                float s = s_scale[t];
+                float s = ssq ? ssq_scale : s_scale[t];
                 float4 g = gv[r];
                 v.x = __fmul_rn(__fmul_rn(v.x, s), g.x);
                 v.y = __fmul_rn(__fmul_rn(v.y, s), g.y);
@@ -812,6 +841,10 @@ __device__ __forceinline__ void mvq_body(
     const int crow = ROPE ? *ra.start : 0;
     u16* const kc = ROPE ? *ra.kcs : nullptr;
     u16* const vc = ROPE ? *ra.vcs : nullptr;
+    // ssq_out (one token, one weight, with resid): lane 0 of each warp adds the squares of
+    // the outputs it writes (the next launch's x), and the block's sum goes to
+    // ssq_out[blockIdx.x] at the end (ssq_epilogue), warps in order
+    double ssq_acc = 0.0;
     // a job's sums over the warp's lanes, and their outputs
     auto finish = [&](const Job& jb, const float* acc_a, const float* acc_b) {
         if constexpr (ROPE) {
@@ -852,13 +885,28 @@ __device__ __forceinline__ void mvq_body(
                         const RowRef& a = jb.a;
                         const RowRef& b = jb.b;
                         i64 at = (i64)t * a.m + a.r;
-                        a.y[at] = (has_resid && a.slot == 0) ? __fadd_rn(resid[at], va) : va;
+                        const float ya = (has_resid && a.slot == 0) ? __fadd_rn(resid[at], va) : va;
+                        a.y[at] = ya;
+                        if (NT == 1 && a.slot == 0) ssq_acc += (double)ya * ya;
                         if (jb.two) {
                             i64 bt = (i64)t * b.m + b.r;
-                            b.y[bt] = (has_resid && b.slot == 0) ? __fadd_rn(resid[bt], vb) : vb;
+                            const float yb = (has_resid && b.slot == 0) ? __fadd_rn(resid[bt], vb) : vb;
+                            b.y[bt] = yb;
+                            if (NT == 1 && b.slot == 0) ssq_acc += (double)yb * yb;
                         }
                     }
                 }
+            }
+        }
+    };
+    auto ssq_epilogue = [&]() {
+        if (NT == 1 && ssq_out != nullptr) {
+            if (lane == 0) red[warp] = ssq_acc;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                double v = 0.0;
+                for (int w = 0; w < W; w++) v += red[w];
+                ssq_out[blockIdx.x] = v;
             }
         }
     };
@@ -923,6 +971,7 @@ __device__ __forceinline__ void mvq_body(
             while (step(pa, pb, qa, qb) && step(qa, qb, pa, pb)) {
             }
         }
+        ssq_epilogue();
         MVQ_TR_END();
         pdl_trigger_at(2, pdl_at);
         return;
@@ -935,6 +984,7 @@ __device__ __forceinline__ void mvq_body(
         j += job_step;
     }
     for (; j < n_jobs; j += job_step) run_job(job_at(j), BoolC<false>{});
+    ssq_epilogue();
     MVQ_TR_END();
     pdl_trigger_at(2, pdl_at);
 }
@@ -946,12 +996,12 @@ __device__ __forceinline__ void mvq_body(
         int norm, const float *__restrict__ resid, int has_resid, int act,                   \
         const int *rope_pos, const int *rope_start, u16 *const *kcs, u16 *const *vcs,        \
         int head_dim, int head_dim_v, int n_rot, int neox, int n_ctx, float theta_scale,     \
-        float freq_scale, int pdl_at
+        float freq_scale, double *ssq_out, const double *ssq_in, int ssq_n, int pdl_at
 #define MVQ_ARGS                                                                           \
     w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2, k, x, n, norm_w, eps, norm, resid,     \
         has_resid, act,                                                                    \
         RopeArgs{rope_pos, rope_start, kcs,   vcs,         head_dim,   head_dim_v,            \
-                 n_rot,    neox,       n_ctx, theta_scale, freq_scale}, pdl_at
+                 n_rot,    neox,       n_ctx, theta_scale, freq_scale}, ssq_out, ssq_in, ssq_n, pdl_at
 
 // n <= MV_MAX_TOKENS rows of x (short batches), n <= 2 and n <= 4 (fewer accumulators a
 // row: the server's decode steps of a few sequences), and the decode case n = 1 (fewer
