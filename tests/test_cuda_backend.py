@@ -542,7 +542,7 @@ def test_int8_norm_takes_the_writers_sum_of_squares(be, qtype):
     normalizes x by them within the int8 bound (the sum in another order moves the scale by
     an ulp at most), and it does read them: four times the sums halve its output exactly
     (eps 0: the scale halves, x's codes stay, their scales halve)."""
-    from picollama.backends.cuda.backend import _Matvec, _SumSquares
+    from picollama.backends.cuda.backend import _MVQ_SSQ_MAX, _Matvec, _SumSquares
 
     cp = pytest.importorskip("cupy")
     rng = np.random.default_rng(91 + int(qtype))
@@ -570,16 +570,18 @@ def test_int8_norm_takes_the_writers_sum_of_squares(be, qtype):
         return be.to_host(x), be.to_host(reader.ys[0])
 
     x_ref, y_ref = run(None)
-    link = _SumSquares(cp.zeros((256,), dtype=cp.float64))
+    link = _SumSquares(cp.zeros((_MVQ_SSQ_MAX,), dtype=cp.float64))
     x_got, y_got = run(link)
     np.testing.assert_array_equal(x_got, x_ref)
-    assert 0 < link.n <= 256
+    assert 0 < link.n <= _MVQ_SSQ_MAX
     sums = link.buf.get()
     want = np.sum(x_ref.astype(np.float64) ** 2)
     assert abs(sums[: link.n].sum() - want) <= 1e-12 * want and not sums[link.n :].any()
     assert np.abs(y_got - y_ref).max() <= 1e-5 * np.abs(y_ref).max()
-    _, y_linked = run(_SumSquares(cp.zeros((256,), dtype=cp.float64)), eps=0.0)
-    _, y_quarter = run(_SumSquares(cp.zeros((256,), dtype=cp.float64)), eps=0.0, factor=4.0)
+    _, y_linked = run(_SumSquares(cp.zeros((_MVQ_SSQ_MAX,), dtype=cp.float64)), eps=0.0)
+    _, y_quarter = run(
+        _SumSquares(cp.zeros((_MVQ_SSQ_MAX,), dtype=cp.float64)), eps=0.0, factor=4.0
+    )
     assert np.abs(y_linked).max() > 0
     np.testing.assert_array_equal(y_quarter, 0.5 * y_linked)
 

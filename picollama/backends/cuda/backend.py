@@ -436,6 +436,17 @@ class _SumSquares:
         self.n = 0
 
 
+def _ssq_args(mv: _Matvec) -> list:
+    """An int8 matvec's ssq_out, ssq_in and ssq_n arguments: its _SumSquares links where
+    they hold sums (the writer sets ``n`` when it is launched), else null pointers. (The
+    kernels read ssq_in only for one normed token, and not in the wide-x kernel.)"""
+    out, link = mv.ssq_out, mv.ssq_in
+    out_buf = out.buf if out is not None and out.n else _NULL
+    if link is None or not link.n:
+        return [out_buf, _NULL, np.int32(0)]
+    return [out_buf, link.buf, np.int32(link.n)]
+
+
 def _root(a):
     base = a.base
     return a if base is None else base
@@ -1621,7 +1632,6 @@ class CUDABackend(Backend):
                 args += [np.int32(rs.head_dim_v), np.int32(rs.n_rot), np.int32(rs.neox)]
                 args += [np.int32(rs.n_ctx), np.float32(rs.theta_scale)]
                 args += [np.float32(rs.freq_scale)]
-            args += self._ssq_args(mv, n, k)
             rows = dw0.m if mv.act else sum(dw.m for dw in mv.weights)
             warps = kernels.mvq_warps
             per_warp = 1 if mv.act else 2  # a warp's rows at a time (gate and up: one)
@@ -1667,25 +1677,15 @@ class CUDABackend(Backend):
         )
         n_blocks = min((rows + rows_per_block - 1) // rows_per_block, self._n_sm * max(1, per_sm))
         grid = (max(1, n_blocks),)
-        if mv.q8 and mv.ssq_out is not None:
-            # the blocks' partial sums, for the reader launched after this one
-            mv.ssq_out.n = n_blocks if n_blocks <= _MVQ_SSQ_MAX else 0
-            if not mv.ssq_out.n:
-                args[-3] = _NULL
         if mv.q8:
+            if mv.ssq_out is not None:  # the blocks' partial sums, for the reader after this
+                mv.ssq_out.n = n_blocks if n == 1 and n_blocks <= _MVQ_SSQ_MAX else 0
+            args += _ssq_args(mv)
             args.append(np.int32(self._pdl_at(n_blocks, max(1, per_sm))))
         if pdl is not None and mv.q8:  # the int8 kernels call pdl_wait()
             pdl.launch(kernel, grid, (threads,), args, smem, pdl.stream)
         else:
             kernel(grid, (threads,), tuple(args), shared_mem=smem)
-
-    def _ssq_args(self, mv: _Matvec, n: int, k: int) -> list:
-        """The int8 matvec's ssq_out, ssq_in and ssq_n arguments (_SumSquares links)."""
-        out = mv.ssq_out.buf if mv.ssq_out is not None and n == 1 else _NULL
-        link = mv.ssq_in
-        if link is None or n != 1 or not link.n or mv.norm_w is None or k >= _MVQ_WIDE_K:
-            return [out, _NULL, np.int32(0)]
-        return [out, link.buf, np.int32(link.n)]
 
     def _gemm_input(self, x) -> tuple:
         """x as ``_gemm`` takes it: (rows, the device array cuBLAS reads, its cuBLAS type,

@@ -32,6 +32,7 @@ __all__ = [
     "Q8DOT_TYPES",
     "REGION_ALIGN",
     "DeviceLayout",
+    "define_value",
     "device_layout",
     "chunk_block",
     "ops_source",

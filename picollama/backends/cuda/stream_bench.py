@@ -212,19 +212,26 @@ def bulk_cases(quick: bool = False) -> list[dict]:
     return cases
 
 
-def stream_bench(mib: int = 1024, reps: int = 5, quick: bool = False):
-    """Yield (label, GB/s, KB in flight a multiprocessor or None) for each case."""
+def _setup(mib: int):
+    """(cupy, the module of STREAM_SRC, SMs, shared memory a block at most, a buffer of mib
+    MiB of random bytes, a 4-byte output) on the current device."""
     import cupy as cp
 
-    dev = cp.cuda.Device()
-    n_sm = dev.attributes["MultiProcessorCount"]
-    optin = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+    attributes = cp.cuda.Device().attributes
     mod = cp.RawModule(code=STREAM_SRC, options=("-std=c++17",))
+    buf = cp.random.randint(0, 255, size=mib << 20, dtype=cp.uint8)
+    out = cp.zeros((1,), dtype=cp.uint32)
+    n_sm, optin = attributes["MultiProcessorCount"], attributes["MaxSharedMemoryPerBlockOptin"]
+    return cp, mod, n_sm, optin, buf, out
+
+
+def stream_bench(mib: int = 1024, reps: int = 5, quick: bool = False):
+    """Yield (label, GB/s, KB in flight a multiprocessor or None) for each case."""
+    cp, mod, n_sm, optin, buf, out = _setup(mib)
     k_ldg, k_bulk = mod.get_function("stream_ldg"), mod.get_function("stream_bulk")
     k_bulk.max_dynamic_shared_size_bytes = optin
-    n_bytes = mib << 20
-    buf = cp.random.randint(0, 255, size=n_bytes, dtype=cp.uint8)
-    out = cp.zeros((1,), dtype=cp.uint32)
+    n_bytes = buf.size
+    copy_src, copy_dst = buf[: n_bytes // 2], cp.empty(n_bytes // 2, dtype=cp.uint8)
 
     def gbs(kernel, grid=0, threads=0, args=(), smem=0) -> float:
         """GB/s of n_bytes by kernel((grid,), (threads,), args), or a copy with no kernel"""
@@ -241,7 +248,6 @@ def stream_bench(mib: int = 1024, reps: int = 5, quick: bool = False):
             times.append(cp.cuda.get_elapsed_time(t0, t1) / 1e3)
         return n_bytes / float(np.median(times[1:])) / 1e9
 
-    copy_src, copy_dst = buf[: n_bytes // 2], cp.empty(n_bytes // 2, dtype=cp.uint8)
     yield "device copy (read + written)", gbs(None), None
     for blocks in (1, 2, 4):
         for threads in (256, 512, 1024):
@@ -272,15 +278,9 @@ def x_behind_bench(mib: int = 1024):
     """Yield (label, median, 90th percentile) clock cycles of a warp's x load (in L2) issued
     right after that warp sent 0-4 units of 2 KB of weights ahead of it, into registers or by
     bulk copies, with 16 warps a block and 1 or 2 blocks a multiprocessor."""
-    import cupy as cp
-
-    dev = cp.cuda.Device()
-    n_sm = dev.attributes["MultiProcessorCount"]
-    mod = cp.RawModule(code=STREAM_SRC, options=("-std=c++17",))
+    cp, mod, n_sm, _, w, out = _setup(mib)
     kernel = mod.get_function("x_behind")
-    n_bytes = mib << 20
-    w = cp.random.randint(0, 255, size=n_bytes, dtype=cp.uint8)
-    out = cp.zeros((1,), dtype=cp.uint32)
+    n_bytes = w.size
     warps = 16
     smem = 128 + warps * 4 * 2048
     kernel.max_dynamic_shared_size_bytes = smem
