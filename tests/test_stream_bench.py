@@ -36,3 +36,33 @@ def test_every_case_streams_the_buffer_on_a_gpu():
     assert sum(x.startswith("bulk") for x in labels) == len(bulk_cases(quick=True))
     for label, rate, _ in rows:
         assert math.isfinite(rate) and rate > 1, label  # GB/s: a hung ring would not return
+
+
+def test_phase_plan_lays_whole_stages_of_every_phase_within_the_buffer():
+    from picollama.backends.cuda.stream_bench import layer_8b, phase_cases, phase_plan
+
+    stage, region = 32 * 1024, 1 << 30
+    base, chunks, widths = phase_plan(4, stage, region)
+    phases = [ph for i in range(4) for ph in layer_8b(i)]
+    assert len(base) == len(chunks) == len(widths) == len(phases) == 20
+    for (nbytes, width), b, n, w in zip(phases, base, chunks, widths, strict=True):
+        b, n = int(b), int(n)
+        assert n * stage >= nbytes > (n - 1) * stage or nbytes == n == 0
+        assert b % stage == 0 and b + n * stage <= region and w == width <= 16384
+    assert {c["mode"] for c in phase_cases()} == {0, 1, 2}
+    for c in phase_cases():  # the ring and x's codes fit one block's shared memory (227 KB)
+        assert c["stages"] * c["stage_kb"] + 16 + 1 <= 227
+
+
+def test_phase_ring_streams_and_every_flag_comes_on_a_gpu():
+    cp = pytest.importorskip("cupy", reason="stream_bench needs CuPy")
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError as err:
+        pytest.skip(f"no CUDA device here: {err}")
+    from picollama.backends.cuda.stream_bench import phase_bench, phase_cases
+
+    rows = list(phase_bench(mib=256, layers=2, reps=1, quick=True))
+    assert len(rows) == len(phase_cases(quick=True)) + 1
+    for label, rate, timeouts in rows:
+        assert math.isfinite(rate) and rate > 1 and timeouts == 0, label

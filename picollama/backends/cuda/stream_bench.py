@@ -27,7 +27,17 @@ import sys
 
 import numpy as np
 
-__all__ = ["STREAM_SRC", "bulk_cases", "stream_bench", "x_behind_bench", "main"]
+__all__ = [
+    "STREAM_SRC",
+    "bulk_cases",
+    "layer_8b",
+    "main",
+    "phase_bench",
+    "phase_cases",
+    "phase_plan",
+    "stream_bench",
+    "x_behind_bench",
+]
 
 STREAM_SRC = r"""
 typedef unsigned char u8;
@@ -187,6 +197,143 @@ extern "C" __global__ void x_behind(const uint4* __restrict__ w, u64 w16,
     if (lane == 0) lat[gw] = (u32)(t1 - t0);
     if (acc == 0x9e3779b9u) out[0] = acc;
 }
+
+// A persistent launch that streams a sequence of phases (a decode step's matvecs) through
+// one ring a block, the producer warp never waiting on anything but free slots: while the
+// consumers wait for phase p's x, the ring fills with phase p's first stages. Phase p is
+// n_chunk[p] chunks of stage_bytes at src + base[p]; block b takes chunks b + gridDim.x i.
+// mode 0: phases back to back, no x; 1: before its first chunk the consumers load x
+// (xw[p] floats, their sum of squares reduced across the block, int8 codes into shared
+// memory) and after its last they write their share of the next x; 2: as 1, and phase
+// p > 0 first waits until every block has counted phase p - 1 done (a grid-wide flag in
+// place of a launch's dependent wait). work: rounds of 4 dp4a a 16 bytes consumed.
+// cap: the producer keeps at most cap stages in flight (issued, not landed), however many
+// slots are free, so that x's loads queue behind at most cap stages. x is loaded in one
+// round (15 warps hold 16384 values); passes 2 reduces its sum of squares across the block
+// (a barrier) before the codes, 1 takes the sum as given (as MVQ_SSQ does).
+#define PR_XMAX 16384
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void consumers_sync(int n_threads) {
+    asm volatile("bar.sync 1, %0;" ::"r"(n_threads) : "memory");
+}
+extern "C" __global__ void phase_ring(const u8* __restrict__ src, const u64* __restrict__ base,
+                                      const u32* __restrict__ n_chunk, const u32* __restrict__ xw,
+                                      int n_phases, int stage_bytes, int n_stages, int mode,
+                                      int work, int cap, int passes, float* xbuf,
+                                      u32* counters, u32* out) {
+    extern __shared__ __align__(128) u8 smem[];
+    u64* full = (u64*)smem;
+    u64* empty = full + n_stages;
+    float* red = (float*)(smem + 16 * n_stages);  // 32 floats
+    signed char* xq = (signed char*)(smem + ((16 * n_stages + 128 + 127) & ~127));
+    u8* ring = (u8*)xq + PR_XMAX;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int C = (int)(blockDim.x >> 5) - 1, n_cons = 32 * C;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < n_stages; s++) bar_init(&full[s], 1), bar_init(&empty[s], C);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == C) {
+        u64 k = 0;
+        for (int p = 0; p < n_phases; p++) {
+            const u8* ph = src + base[p];
+            for (u32 t = blockIdx.x; t < n_chunk[p]; t += gridDim.x, k++) {
+                const int s = (int)(k % n_stages);
+                if (k >= (u64)n_stages) bar_wait(&empty[s], (u32)(k / n_stages - 1) & 1u);
+                if (cap < n_stages && k >= (u64)cap)  // stage k - cap has landed
+                    bar_wait(&full[(k - cap) % n_stages], (u32)((k - cap) / n_stages) & 1u);
+                if (lane == 0) {
+                    bar_expect(&full[s], (u32)stage_bytes);
+                    bulk_copy(ring + (u64)s * stage_bytes, ph + (u64)t * stage_bytes,
+                              (u32)stage_bytes, &full[s]);
+                }
+                __syncwarp();
+            }
+        }
+        return;
+    }
+    const int tid = threadIdx.x, n16 = stage_bytes / 16;
+    const int* xi = (const int*)xq;
+    int acc = 0;
+    u64 k = 0;
+    for (int p = 0; p < n_phases; p++) {
+        if (mode >= 2 && p > 0) {
+            if (tid == 0) {
+                long long spins = 0;
+                while (ld_acquire(counters + p) < gridDim.x && ++spins < (1ll << 26)) {
+                }
+                if (spins >= (1ll << 26)) atomicExch(out + 1, 1u);  // a flag that never came
+            }
+            consumers_sync(n_cons);
+        }
+        if (mode >= 1) {  // x: loaded in one round, the block's sum of squares, int8 codes
+            const float4* x4 = (const float4*)(xbuf + (u64)p * PR_XMAX);
+            const int n4 = (int)xw[p] / 4;
+            float4 v[PR_XMAX / 4 / 480 + 1];
+#pragma unroll
+            for (int r = 0; r < PR_XMAX / 4 / 480 + 1; r++) {
+                const int j = tid + r * n_cons;
+                v[r] = j < n4 ? x4[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+            float total = (float)xw[p];  // passes 1: the sum given (MVQ_SSQ's way)
+            if (passes > 1) {
+                float ss = 0.f;
+#pragma unroll
+                for (int r = 0; r < PR_XMAX / 4 / 480 + 1; r++)
+                    ss += v[r].x * v[r].x + v[r].y * v[r].y + v[r].z * v[r].z + v[r].w * v[r].w;
+                for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+                if (lane == 0) red[warp] = ss;
+                consumers_sync(n_cons);
+                total = 0.f;
+                for (int w = 0; w < C; w++) total += red[w];
+            }
+            const float scale = 64.f * rsqrtf(total / (float)xw[p] + 1e-6f);
+#pragma unroll
+            for (int r = 0; r < PR_XMAX / 4 / 480 + 1; r++) {
+                const int j = tid + r * n_cons;
+                if (j < n4)
+                    ((char4*)xq)[j] = make_char4(
+                        (signed char)(v[r].x * scale), (signed char)(v[r].y * scale),
+                        (signed char)(v[r].z * scale), (signed char)(v[r].w * scale));
+            }
+            consumers_sync(n_cons);
+        }
+        for (u32 t = blockIdx.x; t < n_chunk[p]; t += gridDim.x, k++) {
+            const int s = (int)(k % n_stages);
+            bar_wait(&full[s], (u32)(k / n_stages) & 1u);
+            const uint4* st = (const uint4*)(ring + (u64)s * stage_bytes);
+            for (int j = tid; j < n16; j += n_cons) {
+                const uint4 w = st[j];
+                int xv = xi[j & 1023];
+                for (int r = 0; r < work; r++) {
+                    acc = __dp4a((int)w.x, xv, acc);
+                    acc = __dp4a((int)w.y, xv, acc);
+                    acc = __dp4a((int)w.z, xv, acc);
+                    acc = __dp4a((int)w.w, xv, acc);
+                    xv ^= acc;
+                }
+            }
+            __syncwarp();
+            if (lane == 0) bar_arrive(&empty[s]);
+        }
+        if (mode >= 1 && p + 1 < n_phases) {  // this block's share of the next x
+            float* nx = xbuf + (u64)(p + 1) * PR_XMAX;
+            for (int j = blockIdx.x * n_cons + tid; j < (int)xw[p + 1]; j += gridDim.x * n_cons)
+                nx[j] = 1.f + (float)(acc & 7);
+            consumers_sync(n_cons);
+            if (tid == 0) {
+                __threadfence();
+                atomicAdd(counters + p + 1, 1u);
+            }
+        }
+    }
+    if (acc == 0x7fffffff) out[0] = (u32)acc;
+}
 """
 
 
@@ -299,18 +446,126 @@ def x_behind_bench(mib: int = 1024):
                 yield label, float(np.median(c)), float(np.percentile(c, 90))
 
 
+# One Llama-8B layer in Q4_K_M as the decode step meets it: (weight bytes, x width) a
+# phase. Q/K/V (Q4_K 6144 x 4096), the attention (no weights: a grid-wide hop, q's 4096
+# values), attn_output (Q4_K 4096 x 4096), gate + up (Q4_K 2 x 14336 x 4096), ffn_down
+# (4096 x 14336, Q6_K or Q4_K by layer; here every other one).
+def layer_8b(index: int) -> list[tuple[int, int]]:
+    q4k = 144 / 256
+    down = 210 / 256 if index % 2 == 0 else q4k
+    return [
+        (int(6144 * 4096 * q4k), 4096),
+        (0, 4096),
+        (int(4096 * 4096 * q4k), 4096),
+        (int(2 * 14336 * 4096 * q4k), 4096),
+        (int(4096 * 14336 * down), 14336),
+    ]
+
+
+def phase_cases(quick: bool = False) -> list[dict]:
+    """The ring shapes, in-flight caps and modes ``phase_bench`` times (rings of at most
+    192 KB): first the unbounded ring without x (the stream's rate through the ring) and
+    with x, then caps on the stages in flight."""
+    cases = []
+    base = dict(work=6, consumers=15, passes=2, mode=2)
+    for stage_kb, stages, caps in ((16, 12, (12, 2, 3, 4, 6)), (32, 6, (6, 1, 2, 3))):
+        if quick and stage_kb != 32:
+            continue
+        for cap in caps[:2] if quick else caps:
+            for passes in (2, 1):
+                modes = (0, 1, 2) if cap == stages and passes == 2 else (2,)
+                for mode in modes:
+                    cases.append({**base, "stage_kb": stage_kb, "stages": stages, "cap": cap,
+                                  "passes": passes, "mode": mode})  # fmt: skip
+    return cases
+
+
+def phase_plan(layers: int, stage: int, region: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(byte offset, chunks, x width) a phase for ``layers`` 8B layers, each phase's weights
+    whole stages laid one after another and wrapped within ``region`` bytes."""
+    phases = [ph for i in range(layers) for ph in layer_8b(i)]
+    base, chunks, widths, at = [], [], [], 0
+    for nbytes, width in phases:
+        n = -(-nbytes // stage)
+        if at + n * stage > region:
+            at = 0
+        base.append(at)
+        chunks.append(n)
+        widths.append(width)
+        at += n * stage
+    return (np.array(base, np.uint64), np.array(chunks, np.uint32), np.array(widths, np.uint32))
+
+
+def phase_bench(mib: int = 1024, layers: int = 32, reps: int = 5, quick: bool = False):
+    """Yield (label, GB/s of weights, the flag timeouts seen) for each of ``phase_cases``:
+    a persistent launch streaming ``layers`` 8B layers' matvecs through a ring a block,
+    with or without each phase's x and the grid-wide wait for it (mode 2)."""
+    cp, mod, n_sm, optin, buf, out = _setup(mib)
+    kernel = mod.get_function("phase_ring")
+    kernel.max_dynamic_shared_size_bytes = optin
+    out2 = cp.zeros((2,), dtype=cp.uint32)
+    ldg = mod.get_function("stream_ldg")
+    times = []
+    for _ in range(reps + 1):
+        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+        t0.record()
+        ldg((n_sm,), (512,), (buf, np.uint64(buf.size // 16), out2))
+        t1.record()
+        t1.synchronize()
+        times.append(cp.cuda.get_elapsed_time(t0, t1) / 1e3)
+    yield (
+        "ldg 1 block x 16 warps (the stream alone, for reference)",
+        buf.size / float(np.median(times[1:])) / 1e9,
+        0,
+    )
+    for c in phase_cases(quick):
+        stage = c["stage_kb"] * 1024
+        smem = ((16 * c["stages"] + 128 + 127) & ~127) + 16384 + c["stages"] * stage
+        if smem > optin:
+            continue
+        base, chunks, widths = phase_plan(layers, stage, buf.size)
+        n_ph = len(chunks)
+        d_base, d_chunks, d_widths = cp.asarray(base), cp.asarray(chunks), cp.asarray(widths)
+        xbuf = cp.ones((n_ph + 1) * 16384, dtype=cp.float32)
+        counters = cp.zeros(n_ph + 1, dtype=cp.uint32)
+        ints = [n_ph, stage, c["stages"], c["mode"], c["work"], c["cap"], c["passes"]]
+        args = (buf, d_base, d_chunks, d_widths, *map(np.int32, ints), xbuf, counters, out2)
+        times = []
+        for _ in range(reps + 1):
+            counters.fill(0)
+            t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+            t0.record()
+            kernel((n_sm,), (32 * (c["consumers"] + 1),), args, shared_mem=smem)
+            t1.record()
+            t1.synchronize()
+            times.append(cp.cuda.get_elapsed_time(t0, t1) / 1e3)
+        rate = int(chunks.sum()) * stage / float(np.median(times[1:])) / 1e9
+        timeouts = int(out2[1].get())
+        label = (f"phases {c['stages']} x {c['stage_kb']} KB, at most {c['cap']} in flight, "
+                 f"work {c['work']}, {('no x', 'x, no wait', 'x + grid wait')[c['mode']]}, "
+                 f"x read {c['passes']}x")  # fmt: skip
+        yield label, rate, timeouts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m picollama.backends.cuda.stream_bench",
                                 description=__doc__.split("\n")[0])  # fmt: skip
     p.add_argument("--mib", type=int, default=1024, help="buffer size (MiB); default 1024")
     p.add_argument("-r", "--reps", type=int, default=5, help="launches a case (median)")
     p.add_argument("--quick", action="store_true", help="fewer bulk-copy cases")
+    p.add_argument("--phases", action="store_true", help="only the phase ring (8B layers)")
     args = p.parse_args(argv)
     try:
         import cupy  # noqa: F401
     except ImportError:
         print("stream_bench needs CuPy and an NVIDIA GPU", file=sys.stderr)
         return 2
+    for label, rate, timeouts in phase_bench(args.mib, reps=args.reps, quick=args.quick):
+        print(
+            f"{rate:8.0f} GB/s  {label}" + (" (a flag timed out)" if timeouts else ""), flush=True
+        )
+    if args.phases:
+        return 0
     for label, med, p90 in x_behind_bench(args.mib):
         print(f"x load: {med:7.0f} cycles median, {p90:7.0f} p90  {label}", flush=True)
     for label, rate, kb in stream_bench(args.mib, args.reps, args.quick):
