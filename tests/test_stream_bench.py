@@ -24,12 +24,17 @@ def test_bulk_cases_fit_a_multiprocessors_shared_memory_and_copy_whole_pieces():
     assert {(c["pieces"], c["scatter"]) for c in cases} >= {(1, 0), (32, 1)}
 
 
-def test_every_case_streams_the_buffer_on_a_gpu():
+def _gpu():
+    """Skip (with the reason) without CuPy or a CUDA device."""
     cp = pytest.importorskip("cupy", reason="stream_bench needs CuPy")
     try:
         cp.cuda.runtime.getDeviceCount()
     except cp.cuda.runtime.CUDARuntimeError as err:
         pytest.skip(f"no CUDA device here: {err}")
+
+
+def test_every_case_streams_the_buffer_on_a_gpu():
+    _gpu()
     rows = list(stream_bench(mib=64, reps=1, quick=True))
     labels = [label for label, _, _ in rows]
     assert labels[0].startswith("device copy") and any(x.startswith("ldg") for x in labels)
@@ -55,11 +60,7 @@ def test_phase_plan_lays_whole_stages_of_every_phase_within_the_buffer():
 
 
 def test_phase_ring_streams_and_every_flag_comes_on_a_gpu():
-    cp = pytest.importorskip("cupy", reason="stream_bench needs CuPy")
-    try:
-        cp.cuda.runtime.getDeviceCount()
-    except cp.cuda.runtime.CUDARuntimeError as err:
-        pytest.skip(f"no CUDA device here: {err}")
+    _gpu()
     from picollama.backends.cuda.stream_bench import phase_bench, phase_cases
 
     rows = list(phase_bench(mib=256, layers=2, reps=1, quick=True))

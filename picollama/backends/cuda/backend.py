@@ -89,7 +89,7 @@ from picollama.backends.base import (
     device_index,
     logits_top_k,
 )
-from picollama.backends.cuda import layout
+from picollama.backends.cuda import layout, ring
 from picollama.gguf.constants import GGMLType
 
 __all__ = ["CUDABackend", "MV_MAX_TOKENS", "WORKSPACE_BYTES", "ARITHMETICS"]
@@ -102,6 +102,7 @@ _MVQ_WIDE_K = 8192  # one token, x at least this wide: matvec_q8_n1_wide (mmvq.c
 _MVQ_SSQ_MAX = 256  # mmvq.cu's MVQ_SSQ_MAX: the most blocks a _SumSquares writer may have
 _NULL = np.uint64(0)  # a null pointer argument
 _MVQ_ROPE_PAIRS = 128  # matvec_q8_n1_rope: rotated pairs per head at most (mmvq.cu, s_cs)
+_RING_THREADS = 17 * 32  # matvec_ring: 16 consumer warps and a producer (ring.cu)
 _MV_PAD = 36  # floats of shared memory per chunk of 32 values of x (quant.cu)
 _MV_SMEM_LIMIT = 200 << 10  # bytes of x in shared memory; more rows go through cuBLAS
 WORKSPACE_BYTES = 256 << 20  # the prefill tiles of dequantized weight (float32 or fp16)
@@ -259,6 +260,31 @@ class _Matvec:
 
     def run(self, pdl: _DependentLauncher | None = None) -> None:
         self.be._run_matvec(self, pdl)
+
+
+class _RingLaunch:
+    """A chain of one-token int8 matvecs run as the phases of one persistent launch
+    (ring.cu, ring.py); its argument block and phase counters live on the device."""
+
+    __slots__ = ("kernel", "grid", "args", "counters", "smem", "chain")
+
+    def __init__(self, kernel, grid: int, args, counters, smem: int, chain: list):
+        self.kernel = kernel
+        self.grid = grid
+        self.args = args  # device bytes of ring.RingArgs
+        self.counters = counters
+        self.smem = smem
+        self.chain = chain
+
+    def copy(self) -> _RingLaunch:
+        return self
+
+    def run(self, pdl: _DependentLauncher | None = None) -> None:
+        grid, block = (self.grid,), (_RING_THREADS,)
+        if pdl is not None:  # the kernel calls pdl_wait() before its first x
+            pdl.launch(self.kernel, grid, block, (self.args,), self.smem, pdl.stream)
+        else:
+            self.kernel(grid, block, (self.args,), shared_mem=self.smem)
 
 
 @dataclass(frozen=True, eq=False)
@@ -521,6 +547,8 @@ class CUDABackend(Backend):
         name = props["name"]
         self.device_name = name.decode() if isinstance(name, bytes) else str(name)
         self._n_sm = int(props["multiProcessorCount"])
+        self._k_ring = None  # ring.cu's kernel, compiled on first use
+        self._ring_mod = None
         self._smem_optin = int(props.get("sharedMemPerBlockOptin", 48 << 10))
         self._smem_per_sm = int(props.get("sharedMemPerMultiprocessor", 228 << 10))
         self._stream = cp.cuda.Stream(non_blocking=True)
@@ -597,6 +625,7 @@ class CUDABackend(Backend):
             "whole": 0,
             "fallbacks": 0,
             "kernels": 0,
+            "ring": 0,  # persistent launches of several matvecs (ring.cu) in the last graph
             "host_s": 0.0,
             "wait_s": 0.0,
         }
@@ -1259,6 +1288,7 @@ class CUDABackend(Backend):
         self._traces[trace.key] = trace
         self.graph_stats["recorded"] += 1
         self.graph_stats["kernels"] = trace.n_graph_kernels
+        self.graph_stats["ring"] = sum(isinstance(x, _RingLaunch) for x in launches)
 
     def _fuse(self, trace: _Trace) -> list:
         """The step's launches with small kernels folded into bigger ones.
@@ -1503,7 +1533,47 @@ class CUDABackend(Backend):
         kept = [launch for idx, launch in enumerate(launches) if idx not in dropped]
         if layout.define_value("MVQ_SSQ", 1):
             self._link_sum_squares(kept, trace)
+            if layout.define_value("RING", 0):
+                kept = self._ring_chains(kept, trace)
         return kept
+
+    def _ring_kernel(self):
+        """ring.cu's matvec_ring (compiled on first use), or None where a block's shared
+        memory cannot hold its ring."""
+        if self._k_ring is None:
+            if ring.ring_smem() > self._smem_optin:
+                return None
+            try:
+                with self._stream:
+                    mod = self.cp.RawModule(code=layout.ring_source(), options=("-std=c++17",))
+                    self._k_ring = mod.get_function("matvec_ring")
+                    self._ring_mod = mod  # its globals: the trace build's records
+                    self._k_ring.max_dynamic_shared_size_bytes = ring.ring_smem()
+            except self.cp.cuda.compiler.CompileException as err:
+                raise BackendError(f"the CUDA ring kernel did not compile: {err}") from None
+        return self._k_ring
+
+    def _ring_chains(self, launches: list, trace: _Trace) -> list:
+        """Chains of one-token matvecs (ring.chain_at) as one persistent launch each."""
+        kernel = self._ring_kernel()
+        if kernel is None:
+            return launches
+        out, i = [], 0
+        while i < len(launches):
+            chain = ring.chain_at(launches, i, _Matvec)
+            if not chain:
+                out.append(launches[i])
+                i += 1
+                continue
+            cp = self.cp
+            counters = cp.zeros((ring.MAX_PHASES + 1,), dtype=cp.uint32)
+            args = ring.build_args(chain, counters, self._n_sm)
+            buf = cp.asarray(ring.args_bytes(args))
+            launch = _RingLaunch(kernel, self._n_sm, buf, counters, ring.ring_smem(), chain)
+            trace.refs.append(launch)
+            out.append(launch)
+            i += len(chain)
+        return out
 
     def _link_sum_squares(self, launches: list, trace: _Trace) -> None:
         """Each one-token int8 matvec that writes x with a residual (one weight) hands its

@@ -375,23 +375,33 @@ def trace_step(path: str, show: int = 10) -> list[str]:
     ctx.eval(rng.integers(0, ctx.n_vocab, size=8).tolist())
     for tok in rng.integers(0, ctx.n_vocab, size=4).tolist():  # records, then replays
         ctx.eval([tok])
-    mods = [k.module for q, k in backend._quant_mods.items() if q in layout.Q8DOT_TYPES]
-    counters = [cp.ndarray((1,), cp.uint32, memptr=m.get_global("mvq_trace_n")) for m in mods]
+    # (module, its records, their counter, records at most): mmvq.cu's, and ring.cu's
+    # (a record a block and phase; ring_trace's kinds are named "ring: ...")
+    mods = [
+        (k.module, "mvq_trace", "mvq_trace_n", 262144)  # mmvq.cu's MVQ_TRACE_CAP
+        for q, k in backend._quant_mods.items()
+        if q in layout.Q8DOT_TYPES
+    ]
+    if backend._ring_mod is not None:
+        mods.append((backend._ring_mod, "ring_trace", "ring_trace_n", 65536))  # RING_TRACE_CAP
+    counters = [cp.ndarray((1,), cp.uint32, memptr=m.get_global(n)) for m, _, n, _ in mods]
     for c in counters:
         c.fill(0)
     cp.cuda.runtime.deviceSynchronize()
     ctx.eval([int(rng.integers(0, ctx.n_vocab))])
     cp.cuda.runtime.deviceSynchronize()
     rows = []
-    for m, c in zip(mods, counters, strict=True):
-        n = min(int(c.get()[0]), 262144)  # mmvq.cu's MVQ_TRACE_CAP
-        rows.append(cp.ndarray((n, 7), cp.uint64, memptr=m.get_global("mvq_trace")).get())
+    for (m, records, _, cap), c in zip(mods, counters, strict=True):
+        n = min(int(c.get()[0]), cap)
+        rows.append(cp.ndarray((n, 7), cp.uint64, memptr=m.get_global(records)).get())
     trace = next(t for t in backend._traces.values() if t.graph is not None)
     name = _launch_namer(backend)
     launches = backend._fuse(trace) if backend.fuse else trace.launches
-    kinds = {
-        int(mv.weights[0].buf.data.ptr): name(mv) for mv in launches if isinstance(mv, _Matvec)
-    }
+    kinds = {}
+    for launch in launches:
+        for mv, ringed in [(launch, False)] + [(c, True) for c in getattr(launch, "chain", ())]:
+            if isinstance(mv, _Matvec):
+                kinds[int(mv.weights[0].buf.data.ptr)] = ("ring: " if ringed else "") + name(mv)
     return trace_report(np.concatenate(rows), kinds, show)
 
 

@@ -37,6 +37,8 @@ __all__ = [
     "chunk_block",
     "ops_source",
     "quant_source",
+    "RING_TYPES",
+    "ring_source",
 ]
 
 REGION_ALIGN = 256
@@ -186,15 +188,49 @@ def ops_source() -> str:
     return build_defines() + _read("common.cuh") + "\n" + _read("ops.cu")
 
 
+def _type_defines(qtype: GGMLType) -> list[str]:
+    """The macros quant.cu is built with for ``qtype``: its name and field sizes."""
+    block, fields = FIELDS[qtype]
+    sizes = [size for _, size in fields] + [0] * (4 - len(fields))
+    defines = [f"#define QTYPE_{qtype.name} 1", f"#define LAYOUT_BLOCK {block}"]
+    return defines + [f"#define LAYOUT_SZ{i} {size}" for i, size in enumerate(sizes)]
+
+
 def quant_source(qtype: GGMLType) -> str:
     """CUDA C of the matmul, dequantize and get_rows kernels of ``qtype`` (and, for the
     ``Q8DOT_TYPES``, the int8-activation matvec of ``mmvq.cu``)."""
     qtype = GGMLType(qtype)
-    block, fields = FIELDS[qtype]
-    sizes = [size for _, size in fields] + [0] * (4 - len(fields))
-    defines = [f"#define QTYPE_{qtype.name} 1", f"#define LAYOUT_BLOCK {block}"]
-    defines += [f"#define LAYOUT_SZ{i} {size}" for i, size in enumerate(sizes)]
-    parts = [build_defines() + "\n".join(defines), _read("common.cuh"), _read("quant.cu")]
+    parts = [
+        build_defines() + "\n".join(_type_defines(qtype)),
+        _read("common.cuh"),
+        _read("quant.cu"),
+    ]
     if qtype in Q8DOT_TYPES:
         parts.append(_read("mmvq.cu"))
+    return "\n".join(parts)
+
+
+# the weight types of ring.cu, and the namespace each one's int8 matvec code is built in
+RING_TYPES: dict[GGMLType, str] = {GGMLType.Q4_K: "q4k", GGMLType.Q6_K: "q6k"}
+
+# loads from any memory (a tile in shared memory too), in place of common.cuh's __ldg ones
+_GENERIC_LOADS = """
+__device__ __forceinline__ u32 ld_u32(const u8* p) { return *(const u32*)p; }
+__device__ __forceinline__ u16 ld_u16(const u8* p) { return *(const u16*)p; }
+__device__ __forceinline__ uint2 ld_u64(const u8* p) { return *(const uint2*)p; }
+__device__ __forceinline__ uint4 ld_u128(const u8* p) { return *(const uint4*)p; }
+"""
+
+
+def ring_source() -> str:
+    """CUDA C of ``ring.cu``'s persistent matvec kernel: quant.cu and mmvq.cu built once for
+    each of the ``RING_TYPES`` in a namespace of its own (without their kernels, and with
+    loads that read shared memory too), then ring.cu, which multiplies tiles of both."""
+    parts = [build_defines() + "#define RING_BUILD 1", _read("common.cuh"), _read("bulk.cuh")]
+    for qtype, ns in RING_TYPES.items():
+        defines = _type_defines(qtype)
+        undefs = [f"#undef {line.split()[1]}" for line in defines]
+        parts += [f"namespace {ns} {{", _GENERIC_LOADS, "\n".join(defines), _read("quant.cu"),
+                  _read("mmvq.cu"), "\n".join(undefs), f"}}  // namespace {ns}"]  # fmt: skip
+    parts.append(_read("ring.cu"))
     return "\n".join(parts)

@@ -652,6 +652,35 @@ struct Job {
     int pair;
 };
 
+// x's values 4 i4 .. 4 i4 + 3 (v) as int8 codes into sq, their run's scale into sd and the
+// half sums into ss: 8 lanes a run of 32 (Q8_1's scheme), so every lane of the warp calls
+// it; `in`: whether this lane's values are x's (else it only joins the shuffles)
+__device__ __forceinline__ void quantize4(float4 v, int i4, bool in, signed char* sq, float* sd,
+                                          int* ss) {
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float d = amax / 127.0f;
+    int q[4];
+    float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        q[e] = amax == 0.0f ? 0 : __float2int_rn(vv[e] / d);
+        q[e] = max(-127, min(127, q[e]));
+    }
+    int hs = q[0] + q[1] + q[2] + q[3];
+    hs += __shfl_xor_sync(0xffffffffu, hs, 1);
+    hs += __shfl_xor_sync(0xffffffffu, hs, 2);
+    if (in) {
+        int run = i4 >> 3, sub = i4 & 7;  // run index = t * nb32 + j / 32
+        u32 packed = (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) |
+                     ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
+        *(u32*)(sq + 4 * i4) = packed;
+        if ((sub & 3) == 0) ss[2 * run + (sub >> 2)] = hs;
+        if (sub == 0) sd[run] = d;
+    }
+}
+
 // W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS)
 template <int NT, int XB, bool ROPE, int W>
 __device__ __forceinline__ void mvq_body(
@@ -810,28 +839,7 @@ __device__ __forceinline__ void mvq_body(
                 v.z = __fmul_rn(__fmul_rn(v.z, s), g.z);
                 v.w = __fmul_rn(__fmul_rn(v.w, s), g.w);
             }
-            float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-            for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            float d = amax / 127.0f;
-            int q[4];
-            float vv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                q[e] = amax == 0.0f ? 0 : __float2int_rn(vv[e] / d);
-                q[e] = max(-127, min(127, q[e]));
-            }
-            int hs = q[0] + q[1] + q[2] + q[3];
-            hs += __shfl_xor_sync(0xffffffffu, hs, 1);
-            hs += __shfl_xor_sync(0xffffffffu, hs, 2);
-            if (in) {
-                int run = i4 >> 3, sub = i4 & 7;  // run index = t * nb32 + j / 32
-                u32 packed = (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) |
-                             ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
-                *(u32*)(sq + 4 * i4) = packed;
-                if ((sub & 3) == 0) ss[2 * run + (sub >> 2)] = hs;
-                if (sub == 0) sd[run] = d;
-            }
+            quantize4(v, i4, in, sq, sd, ss);
         }
     }
     __syncthreads();
@@ -989,6 +997,7 @@ __device__ __forceinline__ void mvq_body(
     pdl_trigger_at(2, pdl_at);
 }
 
+#ifndef RING_BUILD  // ring.cu builds the code above without the kernels
 #define MVQ_PARAMS                                                                          \
     const u8 *__restrict__ w0, i64 nb0, int m0, float *y0, const u8 *__restrict__ w1, i64 nb1, \
         int m1, float *y1, const u8 *__restrict__ w2, i64 nb2, int m2, float *y2, int k,      \
@@ -1042,3 +1051,4 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) mat
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
     mvq_body<1, 1, true, MVQ_WARPS>(MVQ_ARGS);
 }
+#endif  // RING_BUILD

@@ -421,6 +421,7 @@ __device__ __forceinline__ void deq32(const Fields& f, i64 b, int c, float* w) {
 #define MV_PAD 36  // floats per chunk of 32 in shared memory: 4 of padding, no bank conflicts
 // after the padded x: the sums of each half chunk (16 values) of x, for types with a min
 
+#ifndef RING_BUILD  // ring.cu builds the code above without the kernels
 // y[t, r] = sum_j x[t, j] * W[r, j] for t < n <= MV_MAX_TOKENS (decode and short batches).
 //
 // The block first copies x into shared memory, each chunk of 32 values padded to 36 floats
@@ -596,3 +597,4 @@ extern "C" __global__ void get_rows(const u8* __restrict__ base, i64 nb_total, i
 #pragma unroll
     for (int j = 0; j < 8; j++) op[j] = make_float4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]);
 }
+#endif  // RING_BUILD

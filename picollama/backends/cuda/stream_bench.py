@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -39,10 +40,10 @@ __all__ = [
     "x_behind_bench",
 ]
 
-STREAM_SRC = r"""
+STREAM_SRC = (
+    (Path(__file__).parent / "bulk.cuh").read_text()
+    + r"""
 typedef unsigned char u8;
-typedef unsigned int u32;
-typedef unsigned long long u64;
 
 __device__ __forceinline__ u32 fold(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
 
@@ -58,40 +59,6 @@ extern "C" __global__ void stream_ldg(const uint4* __restrict__ src, u64 n16, u3
     }
     for (; i < n16; i += stride) acc ^= fold(__ldg(src + i));
     if (acc == 0x9e3779b9u) out[0] = acc;
-}
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void bar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
-                 : "memory");
-}
-__device__ __forceinline__ void bar_expect(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void bar_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void bar_wait(u64* bar, u32 parity) {
-    const u32 a = smem_u32(bar);
-    u32 done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-            "selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(a), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
-        : "memory");
 }
 
 // The buffer is n_chunks chunks of stage_bytes; the block takes chunks blockIdx.x + gridDim.x i.
@@ -335,6 +302,7 @@ extern "C" __global__ void phase_ring(const u8* __restrict__ src, const u64* __r
     if (acc == 0x7fffffff) out[0] = (u32)acc;
 }
 """
+)
 
 
 def bulk_cases(quick: bool = False) -> list[dict]:

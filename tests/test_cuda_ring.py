@@ -1,0 +1,120 @@
+"""The persistent ring kernel (ring.cu, ``PICOLLAMA_CUDA_DEFINES=RING=1``): chains of
+one-token Q4_K / Q6_K matvecs as the phases of one launch, against the same graphs with a
+launch a matvec.
+
+Where a stage gives a row one warp (every row here but ffn_down's 14336-wide ones, and
+the Q6_K value rows) a row's value is the one-token kernel's bit for bit; ffn_down's rows
+are split over 4 warps and the Q6_K value rows over 2, whose sums are added in another
+order (float32 reassociation, ~1e-7 relative), and a normed phase's sum of squares comes
+from the ring's blocks instead of the one-token kernel's (float64 sums in another order:
+at most an ulp of the norm's float32 scale, and rarely an int8 code by one). So the bound
+is test_graph_replay_equals_eager's for fused int8 graphs, 1e-4 of the largest logit,
+while a wrong row, slot, phase or position moves logits by O(1). Skips without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+from model_factory import TinySpec, write_tiny_model
+from test_cuda_models import _TRUST_AFTER, _cuda, _greedy
+
+from picollama.gguf import GGMLType
+
+# ffn_down of the 8B's width (Q6_K: 4 rows a stage, 4 warps a row), value rows in Q6_K
+# (8 rows a stage) in one layer, Q8_0 in another (that layer's Q/K/V are not a phase)
+RING = TinySpec(
+    n_layers=3,
+    n_embd=512,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=64,
+    n_ff=14336,
+    weight_type=GGMLType.Q4_K,
+    tied=False,
+    seed=17,
+    overrides={
+        **{f"blk.{i}.ffn_down.weight": ((14336, 512), GGMLType.Q6_K) for i in range(3)},
+        "blk.1.attn_v.weight": ((512, 256), GGMLType.Q6_K),
+        "blk.2.attn_v.weight": ((512, 256), GGMLType.Q8_0),
+        "output.weight": ((512, 258), GGMLType.Q6_K),
+    },
+)
+
+
+def test_ring_chains_match_a_launch_a_matvec(tmp_path, monkeypatch):
+    _cuda()
+    path = tmp_path / "ring.gguf"
+    write_tiny_model(path, RING)
+    monkeypatch.delenv("PICOLLAMA_CUDA_DEFINES", raising=False)
+    plain = _cuda(graphs=True, dependent_launch=True)
+    tokens_p, logits_p = _greedy(plain, path, n_gen=12)
+    assert plain.graph_stats["ring"] == 0
+    monkeypatch.setenv("PICOLLAMA_CUDA_DEFINES", "RING=1")
+    ringed = _cuda(graphs=True, dependent_launch=True)
+    tokens_r, logits_r = _greedy(ringed, path, n_gen=12)
+    # layer 0's attn_output .. layer 1's Q/K/V; layer 1's attn_output .. ffn_down (layer
+    # 2's Q/K/V have a Q8_0 weight); layer 2's attn_output .. ffn_down (the output matrix's
+    # 258 rows of 512 take no stage of whole bulk copies)
+    assert ringed.graph_stats["ring"] == 3
+    assert ringed.graph_stats["kernels"] < plain.graph_stats["kernels"]
+    assert ringed.graph_stats["whole"] == 12 - 1 - _TRUST_AFTER
+    assert tokens_r == tokens_p
+    err = np.abs(logits_r - logits_p).max() / np.abs(logits_p).max()
+    assert err <= 1e-4, err
+    assert np.isfinite(logits_r).all()
+    print(f"ring: largest logit difference {err:.2e} of the largest logit")
+
+
+def test_ring_args_mirror_the_kernels_structures():
+    import ctypes
+
+    from picollama.backends.cuda import ring
+
+    # ring.cu static_asserts the same sizes and offsets
+    assert ctypes.sizeof(ring.RingArgs) == 1424 and ctypes.sizeof(ring._Phase) == 352
+    assert ring._Phase.x.offset == 240 and ring.RingArgs.counters.offset == 1416
+    # rows a stage: 16 of Q4_K 4096 (36 KB), 8 of Q6_K 4096, 4 of Q6_K 14336 (46 KB); gate
+    # and up 8 each; RoPE pairs need two rows; none where no power of two divides m
+    assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 14336, 1, False) == 16
+    assert ring.rows_per_stage(GGMLType.Q6_K, 4096, 1024, 1, True) == 8
+    assert ring.rows_per_stage(GGMLType.Q6_K, 14336, 4096, 1, False) == 4
+    assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 14336, 2, False) == 8
+    assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 4097, 1, False) == 1
+    assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 4097, 1, True) == 0
+    # Q6_K's d of 2 rows of 512 would be an 8-byte copy; 4 rows would not divide 258
+    assert ring.rows_per_stage(GGMLType.Q6_K, 512, 258, 1, False) == 0
+    assert ring.rows_per_stage(GGMLType.Q6_K, 512, 256, 1, True) == 16
+    assert ring.ring_smem() <= 227 * 1024
+
+
+def test_ring_chain_rules():
+    """chain_at: consecutive one-token matvecs, each reading the last one's output, the
+    first without a norm, each normed one linked to the phase before; at most 4."""
+    from picollama.backends.cuda import ring
+
+    class Arr:
+        def __init__(self, ptr, size=4096):
+            self.data = type("D", (), {"ptr": ptr})()
+            self.size = size
+
+    class W:
+        def __init__(self, qtype=GGMLType.Q4_K, k=4096, m=4096):
+            self.qtype, self.k, self.m = qtype, k, m
+
+    class MV:
+        def __init__(self, x, y, norm=False, link=None, out=None, qtype=GGMLType.Q4_K):
+            self.q8, self.n, self.k, self.act, self.rope = True, 1, 4096, 0, None
+            self.weights, self.x, self.ys = [W(qtype)], Arr(x), [Arr(y)]
+            self.norm_w = Arr(99) if norm else None
+            self.ssq_in, self.ssq_out = link, out
+
+    l1, l2, l3 = object(), object(), object()
+    a = MV(1, 2, out=l1)
+    b = MV(2, 3, norm=True, link=l1, out=l2)
+    c = MV(3, 4, norm=True, link=l2, out=l3)
+    d = MV(4, 5, norm=True, link=l3)
+    e = MV(5, 6)
+    assert ring.chain_at([a, b, c, d, e], 0, MV) == [a, b, c, d]  # four at most
+    assert ring.chain_at([b, c], 0, MV) == []  # a normed first phase
+    assert ring.chain_at([a, MV(7, 8)], 0, MV) == []  # x from elsewhere
+    assert ring.chain_at([a, MV(2, 3, norm=True)], 0, MV) == []  # no sums to norm by
+    assert ring.chain_at([a, MV(2, 3, qtype=GGMLType.Q8_0)], 0, MV) == []  # its type
