@@ -118,3 +118,25 @@ def test_ring_chain_rules():
     assert ring.chain_at([a, MV(7, 8)], 0, MV) == []  # x from elsewhere
     assert ring.chain_at([a, MV(2, 3, norm=True)], 0, MV) == []  # no sums to norm by
     assert ring.chain_at([a, MV(2, 3, qtype=GGMLType.Q8_0)], 0, MV) == []  # its type
+
+
+def test_every_8b_tile_fits_a_slot_as_whole_copies():
+    """The 8B's weights (Q4_K_M: Q4_K, Q6_K for some V and ffn_down rows, the output) in
+    ring stages: each stage within a slot, every field a whole number of 16-byte copies
+    from a 16-byte boundary, the rows a whole number of stages."""
+    from picollama.backends.cuda import layout, ring
+
+    shapes = [  # (type, k, m, rows of an output, RoPE pairs)
+        (GGMLType.Q4_K, 4096, 4096, 1, True), (GGMLType.Q4_K, 4096, 1024, 1, True),
+        (GGMLType.Q6_K, 4096, 1024, 1, True), (GGMLType.Q4_K, 4096, 4096, 1, False),
+        (GGMLType.Q4_K, 4096, 14336, 2, False), (GGMLType.Q6_K, 14336, 4096, 1, False),
+        (GGMLType.Q4_K, 14336, 4096, 1, False), (GGMLType.Q6_K, 4096, 128256, 1, False),
+    ]  # fmt: skip
+    for qtype, k, m, per_row, even in shapes:
+        r = ring.rows_per_stage(qtype, k, m, per_row, even)
+        assert r >= 4 and m % r == 0 and (r % 2 == 0 or not even), (qtype, k, m)
+        fields = [size for _src, size in layout.FIELDS[qtype][1]]
+        stage = [r * (k // 256) * size for size in fields]
+        assert all(b % 16 == 0 for b in stage)
+        assert per_row * sum(stage) <= ring.slot_bytes()
+        assert r * per_row <= 16  # a warp a row at least
