@@ -341,6 +341,8 @@ def _launch_namer(backend):
     names.update({id(k): f"attention_gqa_{d}_{g}" for (d, g), k in backend._k_att_gqa.items()})
 
     def name(launch) -> str:
+        if hasattr(launch, "chain"):  # a persistent launch of several matvecs (ring.cu)
+            return "ring: " + " -> ".join(name(mv) for mv in launch.chain)
         if not isinstance(launch, _Matvec):
             return names.get(id(launch.kernel), "get_rows")
         w = launch.weights[0]
