@@ -20,17 +20,29 @@ __device__ __forceinline__ void bar_expect(u64* bar, u32 bytes) {
 __device__ __forceinline__ void bar_arrive(u64* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
-// BULK_WAIT_TRIES: a phase that has not completed after this many tries (seconds) is a
-// bug (a copy that can never land, a consumer that never arrives): the kernel traps, and
-// the host gets a launch error instead of a hang
-#ifndef BULK_WAIT_TRIES
-#define BULK_WAIT_TRIES (1u << 24)
+// BULK_WAIT_NS: a wait that has not ended after this long (2 s) is a bug (a copy that can
+// never land, a consumer that never arrives, a count that never comes): the kernel traps,
+// and the host gets a launch error instead of a hang. The timer is read every 1024 tries.
+#ifndef BULK_WAIT_NS
+#define BULK_WAIT_NS 2000000000ull
 #endif
+struct WaitBound {
+    u32 tries = 0;
+    u64 t0 = 0;
+    __device__ __forceinline__ void tick() {
+        if ((++tries & 1023u) != 0) return;
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t0 == 0) t0 = t;
+        else if (t - t0 > BULK_WAIT_NS) __trap();
+    }
+};
 __device__ __forceinline__ void bar_wait(u64* bar, u32 parity) {
     const u32 a = smem_u32(bar);
-    u32 done, tries = 0;
+    u32 done;
+    WaitBound bound;
     do {
-        if (++tries == BULK_WAIT_TRIES) __trap();
+        bound.tick();
         asm volatile(
             "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
             "selp.u32 %0, 1, 0, p; }"

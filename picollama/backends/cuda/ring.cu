@@ -204,10 +204,9 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
         if (p == 0) {
             pdl_wait();
         } else {
-            if (threadIdx.x == 0) {  // (a count that never comes is a bug: trap, not hang)
-                unsigned int tries = 0;
-                while (ld_acquire_u32(a.counters + p) < gridDim.x)
-                    if (++tries == BULK_WAIT_TRIES) __trap();
+            if (threadIdx.x == 0) {  // (bulk.cuh: a count that never comes traps)
+                WaitBound bound;
+                while (ld_acquire_u32(a.counters + p) < gridDim.x) bound.tick();
             }
             consumers_sync();
         }
