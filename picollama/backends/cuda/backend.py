@@ -1566,9 +1566,10 @@ class CUDABackend(Backend):
                 i += 1
                 continue
             cp = self.cp
-            counters = cp.zeros((ring.MAX_PHASES + 1,), dtype=cp.uint32)
-            args = ring.build_args(chain, counters, self._n_sm)
-            buf = cp.asarray(ring.args_bytes(args))
+            with self._stream:  # ordered before the graph's launches on this stream
+                counters = cp.zeros((ring.MAX_PHASES + 1,), dtype=cp.uint32)
+                args = ring.build_args(chain, counters, self._n_sm)
+                buf = cp.asarray(ring.args_bytes(args))
             launch = _RingLaunch(kernel, self._n_sm, buf, counters, ring.ring_smem(), chain)
             trace.refs.append(launch)
             out.append(launch)
