@@ -19,7 +19,10 @@ import numpy as np
 from picollama.backends.cuda import layout
 from picollama.gguf.constants import GGMLType
 
-__all__ = ["MAX_PHASES", "RingArgs", "chain_at", "ring_smem", "rows_per_stage", "slot_bytes"]
+__all__ = [
+    "MAX_PHASES", "RingArgs", "args_bytes", "build_args", "chain_at", "ring_smem",
+    "rows_per_stage", "slot_bytes",
+]  # fmt: skip
 
 MAX_PHASES = 4  # ring.cu's RING_MAX_PHASES
 _XMAX = 14336  # RING_XMAX: the widest x
@@ -30,6 +33,7 @@ _BLOCK_BYTES = {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}
 
 
 def slot_bytes() -> int:
+    """Bytes of a ring slot (ring.cu's RING_SLOT_BYTES, a build variant's if set)."""
     return layout.define_value("RING_SLOT_BYTES", 48 * 1024)
 
 
@@ -168,4 +172,5 @@ def build_args(chain: list, counters, n_blocks: int) -> RingArgs:
 
 
 def args_bytes(args: RingArgs) -> np.ndarray:
+    """The argument block as the bytes to copy to the device."""
     return np.frombuffer(bytes(args), dtype=np.uint8)
