@@ -102,7 +102,6 @@ _MVQ_WIDE_K = 8192  # one token, x at least this wide: matvec_q8_n1_wide (mmvq.c
 _MVQ_SSQ_MAX = 256  # mmvq.cu's MVQ_SSQ_MAX: the most blocks a _SumSquares writer may have
 _NULL = np.uint64(0)  # a null pointer argument
 _MVQ_ROPE_PAIRS = 128  # matvec_q8_n1_rope: rotated pairs per head at most (mmvq.cu, s_cs)
-_RING_THREADS = 17 * 32  # matvec_ring: 16 consumer warps and a producer (ring.cu)
 _MV_PAD = 36  # floats of shared memory per chunk of 32 values of x (quant.cu)
 _MV_SMEM_LIMIT = 200 << 10  # bytes of x in shared memory; more rows go through cuBLAS
 WORKSPACE_BYTES = 256 << 20  # the prefill tiles of dequantized weight (float32 or fp16)
@@ -280,7 +279,7 @@ class _RingLaunch:
         return self
 
     def run(self, pdl: _DependentLauncher | None = None) -> None:
-        grid, block = (self.grid,), (_RING_THREADS,)
+        grid, block = (self.grid,), (ring.THREADS,)
         if pdl is not None:  # the kernel calls pdl_wait() before its first x
             pdl.launch(self.kernel, grid, block, (self.args,), self.smem, pdl.stream)
         else:

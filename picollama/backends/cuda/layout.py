@@ -210,7 +210,8 @@ def quant_source(qtype: GGMLType) -> str:
     return "\n".join(parts)
 
 
-# the weight types of ring.cu, and the namespace each one's int8 matvec code is built in
+# the weight types of ring.cu, in the order of its RingWeight.qtype codes (ring.py), and
+# the namespace each one's int8 matvec code is built in
 RING_TYPES: dict[GGMLType, str] = {GGMLType.Q4_K: "q4k", GGMLType.Q6_K: "q6k"}
 
 # loads from any memory (a tile in shared memory too), in place of common.cuh's __ldg ones

@@ -20,16 +20,16 @@ from picollama.backends.cuda import layout
 from picollama.gguf.constants import GGMLType
 
 __all__ = [
-    "MAX_PHASES", "RingArgs", "args_bytes", "build_args", "chain_at", "ring_smem",
+    "MAX_PHASES", "THREADS", "RingArgs", "args_bytes", "build_args", "chain_at", "ring_smem",
     "rows_per_stage", "slot_bytes",
 ]  # fmt: skip
 
 MAX_PHASES = 4  # ring.cu's RING_MAX_PHASES
 _XMAX = 14336  # RING_XMAX: the widest x
 _WARPS = 16  # RING_WARPS
+THREADS = (_WARPS + 1) * 32  # a block: the consumer warps and a producer warp
 _ROPE_PAIRS = 128  # RING_ROPE_PAIRS
-_QTYPE = {GGMLType.Q4_K: 0, GGMLType.Q6_K: 1}  # RingWeight.qtype
-_BLOCK_BYTES = {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}
+_QTYPE = {qtype: i for i, qtype in enumerate(layout.RING_TYPES)}  # RingWeight.qtype
 
 
 def slot_bytes() -> int:
@@ -81,7 +81,7 @@ def rows_per_stage(qtype: GGMLType, k: int, m: int, per_row: int, even: bool) ->
     power of two and at most 16 / per_row, whose bytes fit a slot, whose fields are whole
     bulk copies and that divide m; 0 if none (``even``: RoPE's pairs need two rows)."""
     bpr = k // 256
-    row = bpr * _BLOCK_BYTES[qtype]
+    row = bpr * layout.ggml_block_bytes(qtype)
     fields = [size for _src, size in layout.FIELDS[qtype][1]]
     r = _WARPS // per_row
     while r >= (2 if even else 1):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -340,6 +341,22 @@ def _setup(mib: int):
     return cp, mod, n_sm, optin, buf, out
 
 
+def _median_s(cp, run, reps: int, setup=None) -> float:
+    """Median seconds of ``reps`` calls of run(), each timed by events on the device, after
+    one untimed call; setup(), if given, runs before each call, untimed."""
+    times = []
+    for _ in range(reps + 1):
+        if setup is not None:
+            setup()
+        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+        t0.record()
+        run()
+        t1.record()
+        t1.synchronize()
+        times.append(cp.cuda.get_elapsed_time(t0, t1) / 1e3)
+    return float(np.median(times[1:]))
+
+
 def stream_bench(mib: int = 1024, reps: int = 5, quick: bool = False):
     """Yield (label, GB/s, KB in flight a multiprocessor or None) for each case."""
     cp, mod, n_sm, optin, buf, out = _setup(mib)
@@ -350,18 +367,14 @@ def stream_bench(mib: int = 1024, reps: int = 5, quick: bool = False):
 
     def gbs(kernel, grid=0, threads=0, args=(), smem=0) -> float:
         """GB/s of n_bytes by kernel((grid,), (threads,), args), or a copy with no kernel"""
-        times = []
-        for _ in range(reps + 1):
-            t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-            t0.record()
+
+        def run():
             if kernel is None:
                 copy_dst[...] = copy_src
             else:
                 kernel((grid,), (threads,), args, shared_mem=smem)
-            t1.record()
-            t1.synchronize()
-            times.append(cp.cuda.get_elapsed_time(t0, t1) / 1e3)
-        return n_bytes / float(np.median(times[1:])) / 1e9
+
+        return n_bytes / _median_s(cp, run, reps) / 1e9
 
     yield "device copy (read + written)", gbs(None), None
     for blocks in (1, 2, 4):
@@ -473,19 +486,10 @@ def phase_bench(mib: int = 1024, layers: int = 32, reps: int = 5, quick: bool = 
     kernel.max_dynamic_shared_size_bytes = optin
     out2 = cp.zeros((2,), dtype=cp.uint32)
     ldg = mod.get_function("stream_ldg")
-    times = []
-    for _ in range(reps + 1):
-        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-        t0.record()
-        ldg((n_sm,), (512,), (buf, np.uint64(buf.size // 16), out2))
-        t1.record()
-        t1.synchronize()
-        times.append(cp.cuda.get_elapsed_time(t0, t1) / 1e3)
-    yield (
-        "ldg 1 block x 16 warps (the stream alone, for reference)",
-        buf.size / float(np.median(times[1:])) / 1e9,
-        0,
+    seconds = _median_s(
+        cp, lambda: ldg((n_sm,), (512,), (buf, np.uint64(buf.size // 16), out2)), reps
     )
+    yield "ldg 1 block x 16 warps (the stream alone, for reference)", buf.size / seconds / 1e9, 0
     for c in phase_cases(quick):
         stage = c["stage_kb"] * 1024
         smem = ((16 * c["stages"] + 128 + 127) & ~127) + 16384 + c["stages"] * stage
@@ -498,16 +502,10 @@ def phase_bench(mib: int = 1024, layers: int = 32, reps: int = 5, quick: bool = 
         counters = cp.zeros(n_ph + 1, dtype=cp.uint32)
         ints = [n_ph, stage, c["stages"], c["mode"], c["work"], c["cap"], c["passes"]]
         args = (buf, d_base, d_chunks, d_widths, *map(np.int32, ints), xbuf, counters, out2)
-        times = []
-        for _ in range(reps + 1):
-            counters.fill(0)
-            t0, t1 = cp.cuda.Event(), cp.cuda.Event()
-            t0.record()
-            kernel((n_sm,), (32 * (c["consumers"] + 1),), args, shared_mem=smem)
-            t1.record()
-            t1.synchronize()
-            times.append(cp.cuda.get_elapsed_time(t0, t1) / 1e3)
-        rate = int(chunks.sum()) * stage / float(np.median(times[1:])) / 1e9
+        threads = 32 * (c["consumers"] + 1)
+        run = partial(kernel, (n_sm,), (threads,), args, shared_mem=smem)
+        seconds = _median_s(cp, run, reps, setup=partial(counters.fill, 0))
+        rate = int(chunks.sum()) * stage / seconds / 1e9
         timeouts = int(out2[1].get())
         label = (f"phases {c['stages']} x {c['stage_kb']} KB, at most {c['cap']} in flight, "
                  f"work {c['work']}, {('no x', 'x, no wait', 'x + grid wait')[c['mode']]}, "
