@@ -66,6 +66,24 @@ def test_trace_report_orders_launches_and_takes_each_kinds_medians():
     assert abs(down[7] - (23.0 - 20.003)) < 0.01
 
 
+def test_ring_wait_report_takes_each_kinds_medians_over_blocks_and_phases():
+    """The ring's two wait columns (ring.cu's MVQ_TRACE records), by kind of phase."""
+    from picollama.backends.cuda.bench_synthetic import ring_wait_report
+
+    ns = 1000
+    rows = []  # (first weight, block | SM << 24, 5 times, bytes waited, slots waited)
+    for layer, ptr in enumerate((0xA0, 0xB0)):  # two layers' phases of one kind
+        for block in range(3):
+            done = (10 + block) * ns  # x quantized at 0: 10, 11, 12 us
+            sm = (block + layer) << 24  # a block's SM may differ between launches
+            rows.append([ptr, block | sm, 0, 0, 0, 1, done, (1 + block) * ns, 7 * ns])
+    rows.append([0xC0, 0, 0, 0, 0, 1, 30 * ns, 0, 25 * ns])
+    lines = ring_wait_report(np.array(rows, dtype=np.uint64), {0xA0: "up", 0xB0: "up"})
+    table = {line.split(" | ")[0]: line.split(" | ")[1:] for line in lines[1:]}
+    assert [int(table["up"][0])] + [float(v) for v in table["up"][1:]] == [2, 11.0, 2.0, 7.0]
+    assert [float(v) for v in table["0xc0"][1:]] == [30.0, 0.0, 25.0]
+
+
 def test_ab_takes_turns_and_reports_each_builds_median_and_ratio(tmp_path, capsys, monkeypatch):
     """``--ab`` (no GPU: each file's timing made up from the build it was asked for): the
     default and the variant take turns round by round, and the table holds every figure in

@@ -2,14 +2,13 @@
 one-token Q4_K / Q6_K matvecs as the phases of one launch, against the same graphs with a
 launch a matvec.
 
-Where a stage gives a row one warp (every row here but ffn_down's 14336-wide ones, and
-the Q6_K value rows) a row's value is the one-token kernel's bit for bit; ffn_down's rows
-are split over 4 warps and the Q6_K value rows over 2, whose sums are added in another
-order (float32 reassociation, ~1e-7 relative), and a normed phase's sum of squares comes
-from the ring's blocks instead of the one-token kernel's (float64 sums in another order:
-at most an ulp of the norm's float32 scale, and rarely an int8 code by one). So the bound
-is test_graph_replay_equals_eager's for fused int8 graphs, 1e-4 of the largest logit,
-while a wrong row, slot, phase or position moves logits by O(1). Skips without a GPU."""
+Every row is one warp's, as in the one-token kernel (matvec_q8_n1), lanes taking the
+same chunks in the same order: a row's value is that kernel's bit for bit. A normed
+phase's sum of squares comes from the ring's blocks instead of the one-token kernel's
+(float64 sums over other sets of rows: at most an ulp of the norm's float32 scale, and
+then rarely an int8 code by one), so the bound is test_graph_replay_equals_eager's for
+fused int8 graphs, 1e-4 of the largest logit, while a wrong row, slot, phase or position
+moves logits by O(1). Skips without a GPU."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ from test_cuda_models import _TRUST_AFTER, _cuda, _greedy
 
 from picollama.gguf import GGMLType
 
-# ffn_down of the 8B's width (Q6_K: 4 rows a stage, 4 warps a row), value rows in Q6_K
-# (8 rows a stage) in one layer, Q8_0 in another (that layer's Q/K/V are not a phase)
+# ffn_down of the 8B's width (Q6_K: 4 rows a stage, a warp of each group a row), value
+# rows in Q6_K in one layer, Q8_0 in another (that layer's Q/K/V are not a phase)
 RING = TinySpec(
     n_layers=3,
     n_embd=512,
@@ -73,13 +72,16 @@ def test_ring_args_mirror_the_kernels_structures():
     assert ctypes.sizeof(ring.RingArgs) == 1424 and ctypes.sizeof(ring._Phase) == 352
     assert ring._Phase.x.offset == 240 and ring.RingArgs.counters.offset == 1416
     # rows a stage: 16 of Q4_K 4096 (36 KB), 8 of Q6_K 4096, 4 of Q6_K 14336 (46 KB); gate
-    # and up 8 each; RoPE pairs need two rows; none where no power of two divides m
+    # and up 8 each; a group's warps take whole rows (whole RoPE pairs); none where no
+    # such power of two divides m
     assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 14336, 1, False) == 16
     assert ring.rows_per_stage(GGMLType.Q6_K, 4096, 1024, 1, True) == 8
     assert ring.rows_per_stage(GGMLType.Q6_K, 14336, 4096, 1, False) == 4
     assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 14336, 2, False) == 8
-    assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 4097, 1, False) == 1
-    assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 4097, 1, True) == 0
+    assert ring.group_warps() == 4
+    assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 4100, 1, False) == 4
+    assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 4100, 1, True) == 0
+    assert ring.rows_per_stage(GGMLType.Q4_K, 4096, 4098, 1, False) == 0
     # Q6_K's d of 2 rows of 512 would be an 8-byte copy; 4 rows would not divide 258
     assert ring.rows_per_stage(GGMLType.Q6_K, 512, 258, 1, False) == 0
     assert ring.rows_per_stage(GGMLType.Q6_K, 512, 256, 1, True) == 16
@@ -139,4 +141,4 @@ def test_every_8b_tile_fits_a_slot_as_whole_copies():
         stage = [r * (k // 256) * size for size in fields]
         assert all(b % 16 == 0 for b in stage)
         assert per_row * sum(stage) <= ring.slot_bytes()
-        assert r * per_row <= 16  # a warp a row at least
+        assert r * per_row <= 16 and r % ring.group_warps() == 0  # whole rows a warp

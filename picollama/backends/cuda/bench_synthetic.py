@@ -377,25 +377,29 @@ def trace_step(path: str, show: int = 10) -> list[str]:
     ctx.eval(rng.integers(0, ctx.n_vocab, size=8).tolist())
     for tok in rng.integers(0, ctx.n_vocab, size=4).tolist():  # records, then replays
         ctx.eval([tok])
-    # (module, its records, their counter, records at most): mmvq.cu's, and ring.cu's
-    # (a record a block and phase; ring_trace's kinds are named "ring: ...")
+    # (module, its records, their counter, records at most, their width): mmvq.cu's, and
+    # ring.cu's (a record a block and phase, its kinds named "ring: ...", two more columns:
+    # the phase's waits for landed stages and for free slots)
     mods = [
-        (k.module, "mvq_trace", "mvq_trace_n", 262144)  # mmvq.cu's MVQ_TRACE_CAP
+        (k.module, "mvq_trace", "mvq_trace_n", 262144, 7)  # mmvq.cu's MVQ_TRACE_CAP
         for q, k in backend._quant_mods.items()
         if q in layout.Q8DOT_TYPES
     ]
     if backend._ring_mod is not None:
-        mods.append((backend._ring_mod, "ring_trace", "ring_trace_n", 65536))  # RING_TRACE_CAP
-    counters = [cp.ndarray((1,), cp.uint32, memptr=m.get_global(n)) for m, _, n, _ in mods]
+        mods.append((backend._ring_mod, "ring_trace", "ring_trace_n", 65536, 9))  # RING_TRACE_CAP
+    counters = [cp.ndarray((1,), cp.uint32, memptr=m.get_global(n)) for m, _, n, _, _ in mods]
     for c in counters:
         c.fill(0)
     cp.cuda.runtime.deviceSynchronize()
     ctx.eval([int(rng.integers(0, ctx.n_vocab))])
     cp.cuda.runtime.deviceSynchronize()
-    rows = []
-    for (m, records, _, cap), c in zip(mods, counters, strict=True):
+    rows, waits = [], None
+    for (m, records, _, cap, width), c in zip(mods, counters, strict=True):
         n = min(int(c.get()[0]), cap)
-        rows.append(cp.ndarray((n, 7), cp.uint64, memptr=m.get_global(records)).get())
+        rec = cp.ndarray((n, width), cp.uint64, memptr=m.get_global(records)).get()
+        rows.append(rec[:, :7])
+        if width > 7:
+            waits = rec
     trace = next(t for t in backend._traces.values() if t.graph is not None)
     name = _launch_namer(backend)
     launches = backend._fuse(trace) if backend.fuse else trace.launches
@@ -404,7 +408,29 @@ def trace_step(path: str, show: int = 10) -> list[str]:
         for mv, ringed in [(launch, False)] + [(c, True) for c in getattr(launch, "chain", ())]:
             if isinstance(mv, _Matvec):
                 kinds[int(mv.weights[0].buf.data.ptr)] = ("ring: " if ringed else "") + name(mv)
-    return trace_report(np.concatenate(rows), kinds, show)
+    out = trace_report(np.concatenate(rows), kinds, show)
+    if waits is not None and len(waits):
+        out += ring_wait_report(waits, kinds)
+    return out
+
+
+def ring_wait_report(rec: np.ndarray, kinds: dict[int, str]) -> list[str]:
+    """ring.cu's records by kind of phase: medians over blocks and phases of the phase's
+    time (x quantized -> done), warp 0's waits for its stages' bytes and the producer's
+    waits for free slots (us). Consumers that wait get their bytes too slowly; a producer
+    that waits while the consumers don't has consumers slower than the memory."""
+    out = [
+        "ring phase | phases | x quantized->done | warp 0 waited for bytes"
+        " | producer waited for slots (us, medians)"
+    ]
+    names = np.array([kinds.get(int(p), hex(int(p))) for p in rec[:, 0]])
+    n_blocks = len(set((rec[:, 1] & 0xFFFFFF).tolist()))
+    for kind in dict.fromkeys(names.tolist()):
+        r = rec[names == kind].astype(np.float64)
+        vals = (np.median(r[:, 6] - r[:, 4]), np.median(r[:, 7]), np.median(r[:, 8]))
+        cols = " | ".join(f"{v / 1000:6.2f}" for v in vals)
+        out.append(f"{kind} | {len(r) // n_blocks} | {cols}")
+    return out
 
 
 def trace_report(rec: np.ndarray, kinds: dict[int, str], show: int = 10) -> list[str]:

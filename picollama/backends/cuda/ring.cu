@@ -15,14 +15,13 @@
 // in a namespace of its own, with generic loads so that their QD::load reads a tile in
 // shared memory) and this file after them (layout.ring_source).
 //
-// Arithmetic. Each row's dot is the one-token kernel's (matvec_q8_n1): lane l multiplies
-// chunks l + 32 i in that order with QD::dot and the warp's lanes are summed by warp_sum,
-// so where a stage gives a row one warp (RING rows 16, or 8 for gate + up) a row's value
-// is that kernel's bit for bit; where a row is split over P warps (rows wider than a slot
-// holds 16 of: ffn_down), each warp takes the lanes' iterations i = q (mod P) and the P
-// sums are added in order (float32 reassociation). x is quantized with the same float
-// operations; a normed phase takes the norm's sum of squares from the blocks of the phase
-// that wrote x (ssq slots), as the linked one-token kernels do.
+// Arithmetic. Each row's dot is the one-token kernel's (matvec_q8_n1): one warp takes
+// the whole row, lane l multiplies chunks l + 32 i in that order with QD::dot and the
+// lanes are summed by warp_sum, so a row's value is that kernel's bit for bit. x is
+// quantized with the same float operations; a normed phase takes the norm's sum of
+// squares from the blocks of the phase that wrote x (ssq slots), as the linked one-token
+// kernels do (float64 sums over other sets of rows: the same float32 scale but for a
+// last-bit tie).
 
 #ifndef RING_SLOTS
 #define RING_SLOTS 4
@@ -35,6 +34,18 @@
 #endif
 #define RING_WARPS 16  // consumer warps; one more warp produces
 #define RING_THREADS (RING_WARPS * 32)
+// The consumers are RING_GROUPS groups of RING_GW warps, and a block's stage n goes to
+// group n % RING_GROUPS: the groups work on different slots at once, so one stage's
+// latencies (its wait, the warp sums, the outputs' stores) overlap the others' work
+// instead of all 16 warps passing each stage together. A warp takes whole rows of its
+// group's stage (at most RING_MAXD: a stage has at most 16 rows).
+#ifndef RING_GROUPS
+#define RING_GROUPS 4
+#endif
+#define RING_GW (RING_WARPS / RING_GROUPS)
+#define RING_MAXD RING_GROUPS
+static_assert(RING_WARPS % RING_GROUPS == 0 && RING_SLOTS % RING_GROUPS == 0,
+              "groups of whole warps, each with whole slots");
 #define RING_XMAX 14336  // the widest x a phase reads
 #define RING_MAX_PHASES 4
 #define RING_ROPE_PAIRS 128
@@ -43,13 +54,15 @@ static_assert(q4k::QD::CPB == 4 && q6k::QD::CPB == 4, "ring.cu takes the pair fo
 
 // MVQ_TRACE (bench_synthetic --trace): thread 0 of each block writes, a phase, the records
 // of mmvq.cu's trace (the phase's first weight, the block and SM, then the times: phase
-// begun, its x's wait done, x quantized, its first stage done, done; %globaltimer, ns)
+// begun, its x's wait done, x quantized, its first stage done, done; %globaltimer, ns),
+// then two sums of waits in the phase (ns): warp 0's for its stages' bytes to land, and
+// the producer's for free slots (which of the two waits on the other)
 #ifndef MVQ_TRACE
 #define MVQ_TRACE 0
 #endif
 #if MVQ_TRACE
 #define RING_TRACE_CAP 65536
-__device__ unsigned long long ring_trace[RING_TRACE_CAP][7];
+__device__ unsigned long long ring_trace[RING_TRACE_CAP][9];
 __device__ unsigned int ring_trace_n;
 __device__ __forceinline__ u64 ring_gtimer() {
     u64 t;
@@ -57,8 +70,15 @@ __device__ __forceinline__ u64 ring_gtimer() {
     return t;
 }
 #define RING_TR(var) var = ring_gtimer()
+#define RING_WAIT(sum, call)            \
+    do {                                \
+        const u64 t_ = ring_gtimer();   \
+        call;                           \
+        sum += ring_gtimer() - t_;      \
+    } while (0)
 #else
 #define RING_TR(var)
+#define RING_WAIT(sum, call) call
 #endif
 
 struct RingWeight {
@@ -101,10 +121,6 @@ static_assert(sizeof(RingWeight) == 72 && sizeof(RingPhase) == 352 && sizeof(Rin
               "ring.py's ctypes structures mirror these");
 
 
-// warps that share a stage's output (ring.cu's ids 2..9: a block has 16 barriers)
-__device__ __forceinline__ void group_sync(int id, int n_threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n_threads) : "memory");
-}
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(RING_THREADS) : "memory"); }
 __device__ __forceinline__ unsigned int ld_acquire_u32(const unsigned int* p) {
     unsigned int v;
@@ -132,6 +148,35 @@ __device__ __forceinline__ void ring_stage(const RingPhase& ph, int s, int* wi, 
     }
 }
 
+// acc[d] += row d . x for a warp's nd rows of a stage in a slot: rows il + d of fields f
+// for d < h, then rows il + d - h of the same fields moved by `up` bytes (gate's, then
+// up's: gate + up take one type). Lane l takes chunks l + 32 i
+// in that order, as matvec_q8_n1 does, so each row's sum is that kernel's bit for bit;
+// rows are taken two at a time, both chunks loaded before either is used (more would
+// spill: a block of 17 warps has 96 registers a thread).
+template <class QD, class F, class X>
+__device__ __forceinline__ void ring_rows(float (&acc)[RING_MAXD], const F& f, u32 up, int il, int h,
+                                          int nd, int cpr, int lane, const X& x) {
+    for (int c = lane; c < cpr; c += 32) {
+#pragma unroll
+        for (int d0 = 0; d0 < RING_MAXD; d0 += 2) {
+            typename QD::Raw raw[2];
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int d = d0 + e;
+                if (d < nd) {
+                    const u32 o = d < h ? 0u : up;
+                    raw[e] = QD::load(F{f.p0 + o, f.p1 + o, f.p2 + o, f.p3 + o},
+                                      (u32)((d < h ? il + d : il + d - h) * cpr + c));
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                if (d0 + e < nd) acc[d0 + e] += QD::dot(raw[e], c, x);
+        }
+    }
+}
+
 // bytes of a stage's field f of one weight
 __device__ __forceinline__ u32 ring_field_bytes(const RingWeight& w, int f, int bpr) {
     return (u32)w.rows * (u32)bpr * (u32)w.fsz[f];
@@ -142,32 +187,38 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
     extern __shared__ __align__(128) u8 ring_smem[];
     u64* full = (u64*)ring_smem;
     u64* empty = full + RING_SLOTS;
-    float* part = (float*)(ring_smem + 128);  // [2][16 rows][16 parts]
-    float2* s_cs = (float2*)(part + 2 * 16 * 16);
+    float2* s_cs = (float2*)(ring_smem + 128);
     double* s_red = (double*)(s_cs + RING_ROPE_PAIRS);  // RING_WARPS
     signed char* sq = (signed char*)(s_red + RING_WARPS);
     float* sd = (float*)(sq + RING_XMAX);
     int* ss = (int*)(sd + RING_XMAX / 32);
     u8* slots = (u8*)(((unsigned long long)(ss + RING_XMAX / 16) + 127) & ~127ull);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int grp = warp / RING_GW, wg = warp % RING_GW;  // the warp's group, its place there
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < RING_SLOTS; s++) bar_init(&full[s], 1), bar_init(&empty[s], RING_WARPS);
+        for (int s = 0; s < RING_SLOTS; s++) bar_init(&full[s], 1), bar_init(&empty[s], RING_GW);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
+#if MVQ_TRACE
+    __shared__ u64 s_pwait[RING_MAX_PHASES];  // the producer's waits a phase
+#endif
     if (warp == RING_WARPS) {  // the producer: every phase's stages of this block, in order
         if (lane == 0) {
             u64 n = 0;
             for (int p = 0; p < a.n_phases; p++) {
                 const RingPhase& ph = a.ph[p];
                 const int bpr = ph.k / 256;
+#if MVQ_TRACE
+                u64 pw = 0;
+#endif
                 for (int s = blockIdx.x; s < ph.n_stages; s += gridDim.x, n++) {
                     const int slot = (int)(n % RING_SLOTS);
-                    if (n >= RING_SLOTS) bar_wait(&empty[slot], (u32)(n / RING_SLOTS - 1) & 1u);
+                    if (n >= RING_SLOTS) RING_WAIT(pw, bar_wait(&empty[slot], (u32)(n / RING_SLOTS - 1) & 1u));
                     if (RING_CAP < RING_SLOTS && n >= RING_CAP)
-                        bar_wait(&full[(n - RING_CAP) % RING_SLOTS], (u32)((n - RING_CAP) / RING_SLOTS) & 1u);
+                        RING_WAIT(pw, bar_wait(&full[(n - RING_CAP) % RING_SLOTS], (u32)((n - RING_CAP) / RING_SLOTS) & 1u));
                     int wi, r0;
                     ring_stage(ph, s, &wi, &r0);
                     const int nw = ph.kind == 1 ? 2 : 1;
@@ -186,16 +237,19 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
                         }
                     }
                 }
+#if MVQ_TRACE
+                *(volatile u64*)&s_pwait[p] = pw;  // read after the phase's last stage landed
+#endif
             }
         }
         return;
     }
 
     // consumers
-    u64 n = 0;  // stages consumed (the producer's count)
-    int buf = 0;
+    u64 n = 0;  // the block's stages so far (the producer's count)
 #if MVQ_TRACE
     u64 tr[5] = {0, 0, 0, 0, 0};
+    u64 cwait = 0;
 #endif
     for (int p = 0; p < a.n_phases; p++) {
         const RingPhase& ph = a.ph[p];
@@ -259,6 +313,7 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
         RING_TR(tr[2]);
 #if MVQ_TRACE
         tr[3] = 0;
+        cwait = 0;
 #endif
         const q4k::XQ x4 = {sq, sd, ss};
         const q6k::XQ x6 = {sq, sd, ss};
@@ -267,90 +322,71 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
         u16* vcw = nullptr;
         int crow = 0;
         if (ph.kind == 2) crow = *ph.start, kcw = *ph.kcs, vcw = *ph.vcs;
-        double ssq_acc = 0.0;  // lane 0 of a warp that finishes rows: their squares
-        int prev_nr = 0;       // the last stage's rows (its groups of warps)
-        for (int s = blockIdx.x; s < ph.n_stages; s += gridDim.x, n++, buf ^= 1) {
+        double ssq_acc = 0.0;  // the squares of the rows this lane finishes
+        // stage n of the block goes to group n % RING_GROUPS (the slots' order)
+        for (int s = blockIdx.x; s < ph.n_stages; s += gridDim.x, n++) {
+            if ((int)(n % RING_GROUPS) != grp) continue;
             const int slot = (int)(n % RING_SLOTS);
             int wi, r0;
             ring_stage(ph, s, &wi, &r0);
-            const int R = ph.w[wi].rows;
-            const int nr = ph.kind == 1 ? 2 * R : R;  // rows of the stage
-            const int P = RING_WARPS / nr;            // warps a row
-            const int row = warp % nr, q = warp / nr;
-            const int j = ph.kind == 1 ? row / R : 0;  // gate or up
-            const RingWeight& w = ph.w[wi + j];
-            // the stage's fields of weight wi + j in the slot (the producer's order)
-            const u8* at0 = slots + (u64)slot * RING_SLOT_BYTES;
-            if (j == 1)
+            const RingWeight& w = ph.w[wi];
+            const int per = w.rows / RING_GW;  // rows of weight wi a warp takes
+            const int nd = ph.kind == 1 ? 2 * per : per;
+            const int il = wg * per;  // its first row in the stage (gate's and up's alike)
+            // the slot's fields: weight wi's, then (gate + up) weight 1's, `up` bytes on
+            const u8* fa[4];
+            const u8* at = slots + (u64)slot * RING_SLOT_BYTES;
 #pragma unroll
-                for (int f = 0; f < 4; f++) at0 += ring_field_bytes(ph.w[wi], f, bpr);
-            const u8* fp[4];
+            for (int f = 0; f < 4; f++) fa[f] = at, at += ring_field_bytes(w, f, bpr);
+            const u32 up = (u32)(at - fa[0]);
+            // the residuals of this warp's rows, loaded before the slot's wait
+            float rv = 0.f;
+            if (ph.kind == 0 && ph.resid != nullptr && lane < nd) rv = __ldcg(ph.resid + r0 + il + lane);
+            RING_WAIT(cwait, bar_wait(&full[slot], (u32)(n / RING_SLOTS) & 1u));
+            float acc[RING_MAXD];
 #pragma unroll
-            for (int f = 0; f < 4; f++) fp[f] = at0, at0 += ring_field_bytes(w, f, bpr);
-            const int il = row % R;
-            bar_wait(&full[slot], (u32)(n / RING_SLOTS) & 1u);
-            float acc = 0.f;
-            if (w.qtype == 0) {
-                const q4k::Fields f = {fp[0], fp[1], fp[2], fp[3]};
-                for (int c = lane + 32 * q; c < cpr; c += 32 * P)
-                    acc += q4k::QD::dot(q4k::QD::load(f, (u32)(il * cpr + c)), c, x4);
-            } else {
-                const q6k::Fields f = {fp[0], fp[1], fp[2], fp[3]};
-                for (int c = lane + 32 * q; c < cpr; c += 32 * P)
-                    acc += q6k::QD::dot(q6k::QD::load(f, (u32)(il * cpr + c)), c, x6);
+            for (int d = 0; d < RING_MAXD; d++) acc[d] = 0.f;
+            if (w.qtype == 0)
+                ring_rows<q4k::QD>(acc, q4k::Fields{fa[0], fa[1], fa[2], fa[3]}, up, il, per, nd, cpr, lane, x4);
+            else
+                ring_rows<q6k::QD>(acc, q6k::Fields{fa[0], fa[1], fa[2], fa[3]}, up, il, per, nd, cpr, lane, x6);
+            // every lane gets every row's sum; lane e finishes output e of the warp
+            float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+            for (int d = 0; d < RING_MAXD; d++) {
+                if (d < nd) {
+                    const float v = warp_sum(acc[d]);
+                    if (ph.kind == 2 ? d == 2 * lane : d == lane) v0 = v;
+                    if (ph.kind == 2 ? d == 2 * lane + 1 : d == lane + per) v1 = v;
+                }
             }
-            acc = warp_sum(acc);
             __syncwarp();
             if (lane == 0) bar_arrive(&empty[slot]);
-            // Who finishes the stage's outputs: where a warp has its row alone (rows, P 1)
-            // its lane 0, as matvec_q8_n1 does, with no barrier; else the warps that share an
-            // output (a row's P parts; gate and up; a RoPE pair) meet at a named barrier of
-            // their own and the first of them finishes it, while the other groups go on.
-            const int pair = ph.kind == 0 ? 1 : 2;  // rows an output takes
-            if (pair * P > 1) {
-                // groups other than the last stage's: wait until all have read their sums
-                if (prev_nr && nr != prev_nr) consumers_sync();
-                prev_nr = nr;
-                if (lane == 0) part[(buf * 16 + row) * 16 + q] = acc;
-                const int g = ph.kind == 0 ? row : (ph.kind == 1 ? row % R : row >> 1);
-                group_sync(2 + g, 32 * pair * P);
-            }
-            const bool lead = q == 0 && (ph.kind == 0 || (ph.kind == 1 ? row < R : (row & 1) == 0));
-            if (lead && lane == 0) {
-                const float* pr = part + (buf * 16 + row) * 16;  // this row's parts, then the next rows'
-                auto sum = [&](const float* r) {
-                    float v = r[0];
-                    for (int i = 1; i < P; i++) v += r[i];
-                    return v;
-                };
-                if (ph.kind == 0) {
-                    float v = P == 1 ? acc : sum(pr);
-                    const int r = r0 + row;
-                    if (ph.resid != nullptr) v = __fadd_rn(__ldcg(ph.resid + r), v);
-                    w.y[r] = v;
-                    ssq_acc += (double)v * v;
-                } else if (ph.kind == 1) {  // row: the gate row, row + R its up row
-                    const float g = sum(pr), u = sum(pr + R * 16);
-                    ph.w[0].y[r0 + row] = ph.act == 1 ? silu_mul1(g, u) : gelu_mul1(g, u);
-                } else {
-                    float o0 = sum(pr), o1 = sum(pr + 16);
-                    const int ra = r0 + row;  // rows ra, ra + 1: RoPE's pair (2 i, 2 i + 1)
-                    const int hd = wi == 2 ? ph.head_dim_v : ph.head_dim;
-                    const int i = (ra % hd) >> 1;
-                    if (wi < 2 && i < (ph.n_rot >> 1)) {
-                        const float2 cs = s_cs[i];
-                        const float x0v = o0, x1v = o1;
-                        o0 = __fsub_rn(__fmul_rn(x0v, cs.x), __fmul_rn(x1v, cs.y));
-                        o1 = __fadd_rn(__fmul_rn(x0v, cs.y), __fmul_rn(x1v, cs.x));
-                    }
-                    ph.w[wi].y[ra] = o0;
-                    ph.w[wi].y[ra + 1] = o1;
-                    if (wi > 0 && crow < ph.n_ctx) {
-                        const int m = ph.w[wi].m;
-                        u16* c = wi == 1 ? kcw + (i64)crow * m : vcw + (i64)crow * m;
-                        c[ra] = f2h(o0);
-                        c[ra + 1] = f2h(o1);
-                    }
+            const int r = r0 + il;  // the warp's first output row
+            if (ph.kind == 0) {
+                if (lane < nd) {
+                    const float y = ph.resid != nullptr ? __fadd_rn(rv, v0) : v0;
+                    w.y[r + lane] = y;
+                    ssq_acc += (double)y * y;
+                }
+            } else if (ph.kind == 1) {  // v0: the gate row, v1: its up row
+                if (lane < per) ph.w[0].y[r + lane] = ph.act == 1 ? silu_mul1(v0, v1) : gelu_mul1(v0, v1);
+            } else if (2 * lane < nd) {  // rows ra, ra + 1: RoPE's pair (2 i, 2 i + 1)
+                const int ra = r + 2 * lane;
+                const int hd = wi == 2 ? ph.head_dim_v : ph.head_dim;
+                const int i = (ra % hd) >> 1;
+                float o0 = v0, o1 = v1;
+                if (wi < 2 && i < (ph.n_rot >> 1)) {
+                    const float2 cs = s_cs[i];
+                    o0 = __fsub_rn(__fmul_rn(v0, cs.x), __fmul_rn(v1, cs.y));
+                    o1 = __fadd_rn(__fmul_rn(v0, cs.y), __fmul_rn(v1, cs.x));
+                }
+                w.y[ra] = o0;
+                w.y[ra + 1] = o1;
+                if (wi > 0 && crow < ph.n_ctx) {
+                    u16* c = (wi == 1 ? kcw : vcw) + (i64)crow * w.m;
+                    c[ra] = f2h(o0);
+                    c[ra + 1] = f2h(o1);
                 }
             }
 #if MVQ_TRACE
@@ -360,6 +396,7 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
         // every thread's outputs visible device-wide before the block counts itself done;
         // the block's sum of squares (its warps' in order) for the next phase's norm
         if (p + 1 < a.n_phases) __threadfence();
+        ssq_acc = warp_sum_d(ssq_acc);
         if (lane == 0) s_red[warp] = ssq_acc;
         consumers_sync();
         if (threadIdx.x == 0 && ph.kind == 0 && ph.ssq_out != nullptr) {
@@ -381,6 +418,7 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
                 r[0] = (u64)ph.w[0].f[0];
                 r[1] = blockIdx.x | ((u64)smid << 24);
                 r[2] = tr[0], r[3] = tr[1], r[4] = tr[2], r[5] = tr[3], r[6] = ring_gtimer();
+                r[7] = cwait, r[8] = *(volatile u64*)&s_pwait[p];
             }
         }
 #endif

@@ -20,8 +20,8 @@ from picollama.backends.cuda import layout
 from picollama.gguf.constants import GGMLType
 
 __all__ = [
-    "MAX_PHASES", "THREADS", "RingArgs", "args_bytes", "build_args", "chain_at", "ring_smem",
-    "rows_per_stage", "slot_bytes",
+    "MAX_PHASES", "THREADS", "RingArgs", "args_bytes", "build_args", "chain_at", "group_warps",
+    "ring_smem", "rows_per_stage", "slot_bytes",
 ]  # fmt: skip
 
 MAX_PHASES = 4  # ring.cu's RING_MAX_PHASES
@@ -37,10 +37,16 @@ def slot_bytes() -> int:
     return layout.define_value("RING_SLOT_BYTES", 48 * 1024)
 
 
+def group_warps() -> int:
+    """Warps of a consumer group (ring.cu's RING_GW): the rows of a stage are shared by
+    these, whole rows each."""
+    return _WARPS // layout.define_value("RING_GROUPS", 4)
+
+
 def ring_smem() -> int:
-    """Dynamic shared memory of matvec_ring (ring.cu's carving: barriers, partial sums,
-    RoPE table, block sums, x's codes, scales and half sums, then the slots)."""
-    head = 128 + 2 * 16 * 16 * 4 + _ROPE_PAIRS * 8 + _WARPS * 8
+    """Dynamic shared memory of matvec_ring (ring.cu's carving: barriers, RoPE table, block
+    sums, x's codes, scales and half sums, then the slots)."""
+    head = 128 + _ROPE_PAIRS * 8 + _WARPS * 8
     head += _XMAX + _XMAX // 32 * 4 + _XMAX // 16 * 4
     head = (head + 127) // 128 * 128
     return head + layout.define_value("RING_SLOTS", 4) * slot_bytes()
@@ -79,12 +85,13 @@ def _ptr(a) -> int:
 def rows_per_stage(qtype: GGMLType, k: int, m: int, per_row: int, even: bool) -> int:
     """Rows of a weight a stage takes (each of gate and up with ``per_row`` 2): the most, a
     power of two and at most 16 / per_row, whose bytes fit a slot, whose fields are whole
-    bulk copies and that divide m; 0 if none (``even``: RoPE's pairs need two rows)."""
+    bulk copies and that divide m, and that the warps of a group share as whole rows (as
+    whole pairs with ``even``: RoPE's pairs); 0 if none."""
     bpr = k // 256
     row = bpr * layout.ggml_block_bytes(qtype)
     fields = [size for _src, size in layout.FIELDS[qtype][1]]
     r = _WARPS // per_row
-    while r >= (2 if even else 1):
+    while r >= group_warps() * (2 if even else 1):
         # each field of a stage is one bulk copy: a multiple of 16 bytes from a 16-byte
         # boundary (Q6_K's 2-byte d of 2 rows of 512 is 8 bytes: no copy can move it)
         whole = all(r * bpr * size % 16 == 0 for size in fields)
@@ -101,6 +108,8 @@ def _eligible(mv, matvec_type) -> bool:
     if mv.k % 256 or mv.k > _XMAX:
         return False
     if any(dw.qtype not in _QTYPE for dw in mv.weights):
+        return False
+    if mv.act and len({dw.qtype for dw in mv.weights}) > 1:  # a warp takes gate and up rows
         return False
     if mv.act and mv.act not in (1, 2):
         return False
