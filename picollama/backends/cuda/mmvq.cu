@@ -165,7 +165,23 @@ struct XQ {
 // four bits b as the bytes (b_i << 4): bit i of b moves to bit 4 of byte i
 __device__ __forceinline__ u32 spread4_bit4(u32 b) { return ((b * 0x00204081u) & 0x01010101u) << 4; }
 
-__device__ __forceinline__ int4 ld_x16(const signed char* p) { return *(const int4*)p; }
+// MVQ_XSWZ: x's codes are stored with the 16-byte units of each 64 bytes permuted (address
+// bits 4-5 XOR bits 7-8). Q4_K's and Q6_K's pair-form lanes read x 64 bytes apart, which
+// lands four lanes of a quarter warp on one bank group (a 4-way conflict on every 16-byte
+// load); with the permutation Q4_K's are conflict-free and Q6_K's 2-way. The writer
+// (quantize4) and every reader (ld_x16) apply it to the shared address alike; x's codes
+// start 64-byte aligned and are whole 64-byte groups there (k a multiple of 256), so no
+// unit moves out of x.
+#if !defined(MVQ_XSWZ) || !(defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K))
+#undef MVQ_XSWZ
+#define MVQ_XSWZ 0
+#endif
+#if MVQ_XSWZ
+#define XSWZ(p) ((decltype(p))((unsigned long long)(p) ^ (((unsigned long long)(p) >> 3) & 0x30ull)))
+#else
+#define XSWZ(p) (p)
+#endif
+__device__ __forceinline__ int4 ld_x16(const signed char* p) { return *(const int4*)XSWZ(p); }
 
 // element i of a field of sz-byte elements: one wide multiply-add (IMAD.WIDE.U32). The
 // kernels count a weight's chunks and blocks in 32 bits (a weight of fewer than 2^32
@@ -675,7 +691,7 @@ __device__ __forceinline__ void quantize4(float4 v, int i4, bool in, signed char
         int run = i4 >> 3, sub = i4 & 7;  // run index = t * nb32 + j / 32
         u32 packed = (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) |
                      ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
-        *(u32*)(sq + 4 * i4) = packed;
+        *(u32*)XSWZ(sq + 4 * i4) = packed;
         if ((sub & 3) == 0) ss[2 * run + (sub >> 2)] = hs;
         if (sub == 0) sd[run] = d;
     }
@@ -689,7 +705,11 @@ __device__ __forceinline__ void mvq_body(
     const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
     const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, double* ssq_out,
     const double* __restrict__ ssq_in, int ssq_n, int pdl_at) {
+#if MVQ_XSWZ  // x's codes (first) start 64-byte aligned: past the static arrays (s_cs ...)
+    extern __shared__ __align__(128) int4 mvq_smem[];
+#else
     extern __shared__ int4 mvq_smem[];
+#endif
     MVQ_TR(tr_0);
 #if MVQ_TRACE
     unsigned long long tr_f = 0;
