@@ -214,24 +214,44 @@ def quant_source(qtype: GGMLType) -> str:
 # the namespace each one's int8 matvec code is built in
 RING_TYPES: dict[GGMLType, str] = {GGMLType.Q4_K: "q4k", GGMLType.Q6_K: "q6k"}
 
-# loads from any memory (a tile in shared memory too), in place of common.cuh's __ldg ones
-_GENERIC_LOADS = """
-__device__ __forceinline__ u32 ld_u32(const u8* p) { return *(const u32*)p; }
-__device__ __forceinline__ u16 ld_u16(const u8* p) { return *(const u16*)p; }
-__device__ __forceinline__ uint2 ld_u64(const u8* p) { return *(const uint2*)p; }
-__device__ __forceinline__ uint4 ld_u128(const u8* p) { return *(const uint4*)p; }
+# ring.cu's weight loads: from a tile in shared memory, in place of common.cuh's __ldg
+# ones. Said outright (ld.shared): through a plain pointer the compiler loses the address
+# space on the way (the slot's field pointers are kept in local memory) and emits generic
+# loads
+_SHARED_LOADS = """
+__device__ __forceinline__ u32 ld_u32(const u8* p) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem_u32(p)));
+    return v;
+}
+__device__ __forceinline__ u16 ld_u16(const u8* p) {
+    u16 v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(smem_u32(p)));
+    return v;
+}
+__device__ __forceinline__ uint2 ld_u64(const u8* p) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(smem_u32(p)));
+    return v;
+}
+__device__ __forceinline__ uint4 ld_u128(const u8* p) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(smem_u32(p)));
+    return v;
+}
 """
 
 
 def ring_source() -> str:
     """CUDA C of ``ring.cu``'s persistent matvec kernel: quant.cu and mmvq.cu built once for
     each of the ``RING_TYPES`` in a namespace of its own (without their kernels, and with
-    loads that read shared memory too), then ring.cu, which multiplies tiles of both."""
+    weight loads that read shared memory), then ring.cu, which multiplies tiles of both."""
     parts = [build_defines() + "#define RING_BUILD 1", _read("common.cuh"), _read("bulk.cuh")]
     for qtype, ns in RING_TYPES.items():
         defines = _type_defines(qtype)
         undefs = [f"#undef {line.split()[1]}" for line in defines]
-        parts += [f"namespace {ns} {{", _GENERIC_LOADS, "\n".join(defines), _read("quant.cu"),
+        parts += [f"namespace {ns} {{", _SHARED_LOADS, "\n".join(defines), _read("quant.cu"),
                   _read("mmvq.cu"), "\n".join(undefs), f"}}  // namespace {ns}"]  # fmt: skip
     parts.append(_read("ring.cu"))
     return "\n".join(parts)

@@ -154,27 +154,37 @@ __device__ __forceinline__ void ring_stage(const RingPhase& ph, int s, int* wi, 
 // in that order, as matvec_q8_n1 does, so each row's sum is that kernel's bit for bit;
 // rows are taken two at a time, both chunks loaded before either is used (more would
 // spill: a block of 17 warps has 96 registers a thread).
-template <class QD, class F, class X>
+template <int ND, class QD, class F, class X>
 __device__ __forceinline__ void ring_rows(float (&acc)[RING_MAXD], const F& f, u32 up, int il, int h,
-                                          int nd, int cpr, int lane, const X& x) {
+                                          int cpr, int lane, const X& x) {
     for (int c = lane; c < cpr; c += 32) {
 #pragma unroll
-        for (int d0 = 0; d0 < RING_MAXD; d0 += 2) {
+        for (int d0 = 0; d0 < ND; d0 += 2) {
             typename QD::Raw raw[2];
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
+            for (int e = 0; e < 2 && d0 + e < ND; e++) {
                 const int d = d0 + e;
-                if (d < nd) {
-                    const u32 o = d < h ? 0u : up;
-                    raw[e] = QD::load(F{f.p0 + o, f.p1 + o, f.p2 + o, f.p3 + o},
-                                      (u32)((d < h ? il + d : il + d - h) * cpr + c));
-                }
+                const u32 o = d < h ? 0u : up;
+                raw[e] = QD::load(F{f.p0 + o, f.p1 + o, f.p2 + o, f.p3 + o},
+                                  (u32)((d < h ? il + d : il + d - h) * cpr + c));
             }
 #pragma unroll
-            for (int e = 0; e < 2; e++)
-                if (d0 + e < nd) acc[d0 + e] += QD::dot(raw[e], c, x);
+            for (int e = 0; e < 2 && d0 + e < ND; e++) acc[d0 + e] += QD::dot(raw[e], c, x);
         }
     }
+}
+// the warp's row count (a power of two up to RING_MAXD) as a constant: with no test of
+// it in the loop, the rows' dots at one chunk share their loads of x
+template <class QD, class F, class X>
+__device__ __forceinline__ void ring_rows_n(float (&acc)[RING_MAXD], const F& f, u32 up, int il,
+                                            int h, int nd, int cpr, int lane, const X& x) {
+    if constexpr (RING_MAXD >= 8)
+        if (nd == 8) return ring_rows<8, QD>(acc, f, up, il, h, cpr, lane, x);
+    if constexpr (RING_MAXD >= 4)
+        if (nd == 4) return ring_rows<4, QD>(acc, f, up, il, h, cpr, lane, x);
+    if constexpr (RING_MAXD >= 2)
+        if (nd == 2) return ring_rows<2, QD>(acc, f, up, il, h, cpr, lane, x);
+    ring_rows<1, QD>(acc, f, up, il, h, cpr, lane, x);
 }
 
 // bytes of a stage's field f of one weight
@@ -347,9 +357,9 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
 #pragma unroll
             for (int d = 0; d < RING_MAXD; d++) acc[d] = 0.f;
             if (w.qtype == 0)
-                ring_rows<q4k::QD>(acc, q4k::Fields{fa[0], fa[1], fa[2], fa[3]}, up, il, per, nd, cpr, lane, x4);
+                ring_rows_n<q4k::QD>(acc, q4k::Fields{fa[0], fa[1], fa[2], fa[3]}, up, il, per, nd, cpr, lane, x4);
             else
-                ring_rows<q6k::QD>(acc, q6k::Fields{fa[0], fa[1], fa[2], fa[3]}, up, il, per, nd, cpr, lane, x6);
+                ring_rows_n<q6k::QD>(acc, q6k::Fields{fa[0], fa[1], fa[2], fa[3]}, up, il, per, nd, cpr, lane, x6);
             // every lane gets every row's sum; lane e finishes output e of the warp
             float v0 = 0.f, v1 = 0.f;
 #pragma unroll
