@@ -165,19 +165,21 @@ struct XQ {
 // four bits b as the bytes (b_i << 4): bit i of b moves to bit 4 of byte i
 __device__ __forceinline__ u32 spread4_bit4(u32 b) { return ((b * 0x00204081u) & 0x01010101u) << 4; }
 
-// MVQ_XSWZ: x's codes are stored with the 16-byte units of each 64 bytes permuted (address
-// bits 4-5 XOR bits 7-8). Q4_K's and Q6_K's pair-form lanes read x 64 bytes apart, which
-// lands four lanes of a quarter warp on one bank group (a 4-way conflict on every 16-byte
-// load); with the permutation Q4_K's are conflict-free and Q6_K's 2-way. The writer
+// MVQ_XSWZ: x's codes are stored with their 16-byte units permuted within each 128 bytes.
+// Q4_K's and Q6_K's pair-form lanes read x 64 bytes apart (Q6_K's: 16 and 128 apart too),
+// which lands four lanes of a quarter warp on one bank group: every 16-byte x load is a
+// 4-way shared-memory conflict. 1: address bits 4-5 XOR bits 7-8 (Q4_K's reads
+// conflict-free, Q6_K's 2-way); 2: also bit 6 XOR bit 7 (both conflict-free). The writer
 // (quantize4) and every reader (ld_x16) apply it to the shared address alike; x's codes
-// start 64-byte aligned and are whole 64-byte groups there (k a multiple of 256), so no
+// start 128-byte aligned and are whole 128-byte groups there (k a multiple of 256), so no
 // unit moves out of x.
 #if !defined(MVQ_XSWZ) || !(defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K))
 #undef MVQ_XSWZ
 #define MVQ_XSWZ 0
 #endif
 #if MVQ_XSWZ
-#define XSWZ(p) ((decltype(p))((unsigned long long)(p) ^ (((unsigned long long)(p) >> 3) & 0x30ull)))
+#define XSWZ_BITS(a) (((a) >> 3) & 0x30ull) ^ (MVQ_XSWZ == 2 ? ((a) >> 1) & 0x40ull : 0ull)
+#define XSWZ(p) ((decltype(p))((unsigned long long)(p) ^ XSWZ_BITS((unsigned long long)(p))))
 #else
 #define XSWZ(p) (p)
 #endif
@@ -705,7 +707,7 @@ __device__ __forceinline__ void mvq_body(
     const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
     const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, double* ssq_out,
     const double* __restrict__ ssq_in, int ssq_n, int pdl_at) {
-#if MVQ_XSWZ  // x's codes (first) start 64-byte aligned: past the static arrays (s_cs ...)
+#if MVQ_XSWZ  // x's codes (first) start 128-byte aligned: past the static arrays (s_cs ...)
     extern __shared__ __align__(128) int4 mvq_smem[];
 #else
     extern __shared__ int4 mvq_smem[];
