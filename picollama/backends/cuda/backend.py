@@ -1566,7 +1566,7 @@ class CUDABackend(Backend):
                 continue
             cp = self.cp
             with self._stream:  # ordered before the graph's launches on this stream
-                counters = cp.zeros((ring.MAX_PHASES + 1,), dtype=cp.uint32)
+                counters = cp.zeros((ring.N_COUNTERS,), dtype=cp.uint32)
                 args = ring.build_args(chain, counters, self._n_sm)
                 buf = cp.asarray(ring.args_bytes(args))
             launch = _RingLaunch(kernel, self._n_sm, buf, counters, ring.ring_smem(), chain)

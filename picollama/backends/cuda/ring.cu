@@ -32,6 +32,13 @@
 #ifndef RING_CAP
 #define RING_CAP RING_SLOTS  // the most slots in flight (issued, not landed)
 #endif
+// RING_DYN: a phase's stages are handed out by a counter (each block's producer takes the
+// next with an atomic add) instead of round robin by block, so that blocks which finish
+// early take more and the phase ends together; the producer writes each slot's stage in
+// s_stage, and a stage of -1 (one a group, no bytes) ends the phase for that group
+#ifndef RING_DYN
+#define RING_DYN 0
+#endif
 #define RING_WARPS 16  // consumer warps; one more warp produces
 #define RING_THREADS (RING_WARPS * 32)
 // The consumers are RING_GROUPS groups of RING_GW warps, and a block's stage n goes to
@@ -48,6 +55,7 @@ static_assert(RING_WARPS % RING_GROUPS == 0 && RING_SLOTS % RING_GROUPS == 0,
               "groups of whole warps, each with whole slots");
 #define RING_XMAX 14336  // the widest x a phase reads
 #define RING_MAX_PHASES 4
+#define RING_NEXT (RING_MAX_PHASES + 1)
 #define RING_ROPE_PAIRS 128
 static_assert(q4k::QD::CPB == 4 && q6k::QD::CPB == 4, "ring.cu takes the pair forms: 4 chunks a block");
 
@@ -114,7 +122,9 @@ struct RingPhase {
 struct RingArgs {
     RingPhase ph[RING_MAX_PHASES];
     int n_phases;
-    unsigned int* counters;  // RING_MAX_PHASES + 1, zero at entry; zero again at exit
+    // 2 RING_MAX_PHASES + 1, zero at entry and again at exit: [p] blocks done with phase
+    // p - 1, [RING_MAX_PHASES] blocks done, [RING_NEXT + p] phase p's next stage (RING_DYN)
+    unsigned int* counters;
 };
 // the host writes these as ctypes structures (ring.py): the same layout
 static_assert(sizeof(RingWeight) == 72 && sizeof(RingPhase) == 352 && sizeof(RingArgs) == 1424,
@@ -215,6 +225,9 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
 #if MVQ_TRACE
     __shared__ u64 s_pwait[RING_MAX_PHASES];  // the producer's waits a phase
 #endif
+#if RING_DYN
+    __shared__ int s_stage[RING_SLOTS];  // each slot's stage, -1: the phase's end
+#endif
     if (warp == RING_WARPS) {  // the producer: every phase's stages of this block, in order
         if (lane == 0) {
             u64 n = 0;
@@ -224,13 +237,34 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
 #if MVQ_TRACE
                 u64 pw = 0;
 #endif
+#if RING_DYN
+                int s = (int)atomicAdd(a.counters + RING_NEXT + p, 1u), ends = 0;
+                for (;; n++) {
+#else
                 for (int s = blockIdx.x; s < ph.n_stages; s += gridDim.x, n++) {
+#endif
                     const int slot = (int)(n % RING_SLOTS);
                     if (n >= RING_SLOTS) RING_WAIT(pw, bar_wait(&empty[slot], (u32)(n / RING_SLOTS - 1) & 1u));
                     if (RING_CAP < RING_SLOTS && n >= RING_CAP)
                         RING_WAIT(pw, bar_wait(&full[(n - RING_CAP) % RING_SLOTS], (u32)((n - RING_CAP) / RING_SLOTS) & 1u));
+#if RING_DYN
+                    if (s >= ph.n_stages) {  // the end, once for each group (n % RING_GROUPS)
+                        s_stage[slot] = -1;
+                        bar_arrive(&full[slot]);  // (its release makes s_stage visible)
+                        if (++ends == RING_GROUPS) {
+                            n++;
+                            break;
+                        }
+                        continue;
+                    }
+                    s_stage[slot] = s;
+                    const int s_now = s;  // the next one's atomic in flight meanwhile
+                    s = (int)atomicAdd(a.counters + RING_NEXT + p, 1u);
+#else
+                    const int s_now = s;
+#endif
                     int wi, r0;
-                    ring_stage(ph, s, &wi, &r0);
+                    ring_stage(ph, s_now, &wi, &r0);
                     const int nw = ph.kind == 1 ? 2 : 1;
                     u32 total = 0;
                     for (int j = 0; j < nw; j++)
@@ -256,7 +290,8 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
     }
 
     // consumers
-    u64 n = 0;  // the block's stages so far (the producer's count)
+    // the block's stages so far (the producer's count; RING_DYN: the group's next one)
+    u64 n = RING_DYN ? (u64)grp : 0;
 #if MVQ_TRACE
     u64 tr[5] = {0, 0, 0, 0, 0};
     u64 cwait = 0;
@@ -333,10 +368,8 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
         int crow = 0;
         if (ph.kind == 2) crow = *ph.start, kcw = *ph.kcs, vcw = *ph.vcs;
         double ssq_acc = 0.0;  // the squares of the rows this lane finishes
-        // stage n of the block goes to group n % RING_GROUPS (the slots' order)
-        for (int s = blockIdx.x; s < ph.n_stages; s += gridDim.x, n++) {
-            if ((int)(n % RING_GROUPS) != grp) continue;
-            const int slot = (int)(n % RING_SLOTS);
+        // stage s in a slot that has landed
+        auto run_stage = [&](int s, int slot) {
             int wi, r0;
             ring_stage(ph, s, &wi, &r0);
             const RingWeight& w = ph.w[wi];
@@ -349,10 +382,9 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
 #pragma unroll
             for (int f = 0; f < 4; f++) fa[f] = at, at += ring_field_bytes(w, f, bpr);
             const u32 up = (u32)(at - fa[0]);
-            // the residuals of this warp's rows, loaded before the slot's wait
+            // the residuals of this warp's rows (used after the dots)
             float rv = 0.f;
             if (ph.kind == 0 && ph.resid != nullptr && lane < nd) rv = __ldcg(ph.resid + r0 + il + lane);
-            RING_WAIT(cwait, bar_wait(&full[slot], (u32)(n / RING_SLOTS) & 1u));
             float acc[RING_MAXD];
 #pragma unroll
             for (int d = 0; d < RING_MAXD; d++) acc[d] = 0.f;
@@ -402,7 +434,31 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
 #if MVQ_TRACE
             if (tr[3] == 0) tr[3] = ring_gtimer();
 #endif
+        };
+#if RING_DYN
+        // the group's slots in the producer's order (n = grp, grp + RING_GROUPS, ...) until
+        // its end of the phase
+        for (;; n += RING_GROUPS) {
+            const int slot = (int)(n % RING_SLOTS);
+            RING_WAIT(cwait, bar_wait(&full[slot], (u32)(n / RING_SLOTS) & 1u));
+            const int s = *(volatile int*)&s_stage[slot];
+            if (s < 0) {
+                __syncwarp();
+                if (lane == 0) bar_arrive(&empty[slot]);
+                n += RING_GROUPS;
+                break;
+            }
+            run_stage(s, slot);
         }
+#else
+        // stage n of the block goes to group n % RING_GROUPS (the slots' order)
+        for (int s = blockIdx.x; s < ph.n_stages; s += gridDim.x, n++) {
+            if ((int)(n % RING_GROUPS) != grp) continue;
+            const int slot = (int)(n % RING_SLOTS);
+            RING_WAIT(cwait, bar_wait(&full[slot], (u32)(n / RING_SLOTS) & 1u));
+            run_stage(s, slot);
+        }
+#endif
         // every thread's outputs visible device-wide before the block counts itself done;
         // the block's sum of squares (its warps' in order) for the next phase's norm
         if (p + 1 < a.n_phases) __threadfence();
@@ -437,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(a.counters + RING_MAX_PHASES, 1u) == gridDim.x - 1) {
-            for (int p = 0; p <= RING_MAX_PHASES; p++) a.counters[p] = 0;
+            for (int i = 0; i < RING_NEXT + RING_MAX_PHASES; i++) a.counters[i] = 0;
             __threadfence();
         }
     }

@@ -20,11 +20,13 @@ from picollama.backends.cuda import layout
 from picollama.gguf.constants import GGMLType
 
 __all__ = [
-    "MAX_PHASES", "THREADS", "RingArgs", "args_bytes", "build_args", "chain_at", "group_warps",
-    "ring_smem", "rows_per_stage", "slot_bytes",
+    "MAX_PHASES", "N_COUNTERS", "THREADS", "RingArgs", "args_bytes", "build_args", "chain_at",
+    "group_warps", "ring_smem", "rows_per_stage", "slot_bytes",
 ]  # fmt: skip
 
 MAX_PHASES = 4  # ring.cu's RING_MAX_PHASES
+# RingArgs.counters: a phase's blocks done, the blocks done, a phase's next stage (RING_DYN)
+N_COUNTERS = 2 * MAX_PHASES + 1
 _XMAX = 14336  # RING_XMAX: the widest x
 _WARPS = 16  # RING_WARPS
 THREADS = (_WARPS + 1) * 32  # a block: the consumer warps and a producer warp
