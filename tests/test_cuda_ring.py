@@ -40,9 +40,10 @@ RING = TinySpec(
 )
 
 
-# the ring as built by default, and with its stages handed out by a counter and x's codes
-# in the bank-conflict-free order (storage orders only: the same bits)
-@pytest.mark.parametrize("defines", ["RING=1", "RING=1,RING_DYN=1,MVQ_XSWZ=2"])
+# the ring as built by default, and with its stages handed out by a counter, one stage
+# ahead of each phase's x, and x's codes in the bank-conflict-free order (schedules and
+# storage orders only: the same bits)
+@pytest.mark.parametrize("defines", ["RING=1", "RING=1,RING_DYN=1,RING_BCAP=1,MVQ_XSWZ=2"])
 def test_ring_chains_match_a_launch_a_matvec(tmp_path, monkeypatch, defines):
     _cuda()
     path = tmp_path / "ring.gguf"

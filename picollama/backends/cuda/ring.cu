@@ -39,6 +39,12 @@
 #ifndef RING_DYN
 #define RING_DYN 0
 #endif
+// RING_BCAP (0: off): at most this many of a phase's stages a block issued before its
+// consumers have read and quantized the phase's x, whose loads from L2 otherwise queue
+// behind every copy the ring has in flight (stream_bench --phases: best with one)
+#ifndef RING_BCAP
+#define RING_BCAP 0
+#endif
 #define RING_WARPS 16  // consumer warps; one more warp produces
 #define RING_THREADS (RING_WARPS * 32)
 // The consumers are RING_GROUPS groups of RING_GW warps, and a block's stage n goes to
@@ -216,9 +222,15 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int grp = warp / RING_GW, wg = warp % RING_GW;  // the warp's group, its place there
 
+#if RING_BCAP
+    __shared__ int s_xready;  // the last phase whose x the consumers have quantized
+#endif
     if (threadIdx.x == 0) {
         for (int s = 0; s < RING_SLOTS; s++) bar_init(&full[s], 1), bar_init(&empty[s], RING_GW);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#if RING_BCAP
+        s_xready = -1;
+#endif
     }
     __syncthreads();
 
@@ -236,6 +248,9 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
                 const int bpr = ph.k / 256;
 #if MVQ_TRACE
                 u64 pw = 0;
+#endif
+#if RING_BCAP
+                int issued = 0;  // this phase's stages so far
 #endif
 #if RING_DYN
                 int s = (int)atomicAdd(a.counters + RING_NEXT + p, 1u), ends = 0;
@@ -262,6 +277,12 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
                     s = (int)atomicAdd(a.counters + RING_NEXT + p, 1u);
 #else
                     const int s_now = s;
+#endif
+#if RING_BCAP
+                    if (issued++ == RING_BCAP) {
+                        WaitBound bound;
+                        RING_WAIT(pw, while (*(volatile int*)&s_xready < p) bound.tick());
+                    }
 #endif
                     int wi, r0;
                     ring_stage(ph, s_now, &wi, &r0);
@@ -355,6 +376,9 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
             }
         }
         consumers_sync();
+#if RING_BCAP
+        if (threadIdx.x == 0) *(volatile int*)&s_xready = p;
+#endif
         RING_TR(tr[2]);
 #if MVQ_TRACE
         tr[3] = 0;
