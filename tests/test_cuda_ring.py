@@ -147,3 +147,43 @@ def test_every_8b_tile_fits_a_slot_as_whole_copies():
         assert all(b % 16 == 0 for b in stage)
         assert per_row * sum(stage) <= ring.slot_bytes()
         assert r * per_row <= 16 and r % ring.group_warps() == 0  # whole rows a warp
+
+
+def test_ring_py_mirrors_the_kernels_defines(monkeypatch):
+    """ring.py sizes the launch, the shared memory and the counters from ring.cu's
+    defaults: a mismatch would make the kernel read past what the host allocated."""
+    import ast
+    import operator
+    import re
+    from pathlib import Path
+
+    from picollama.backends.cuda import layout, ring
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+    def value(node, known):  # + - * of integers and earlier defines
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            return known[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left, known), value(node.right, known))
+        raise ValueError(ast.dump(node))
+
+    monkeypatch.delenv(layout.DEFINES_ENV, raising=False)
+    src = (Path(ring.__file__).parent / "ring.cu").read_text()
+    raw = dict(re.findall(r"^#define (RING_[A-Z_]+) ([^/\n]+?)\s*(?://.*)?$", src, re.M))
+    values: dict[str, int] = {}
+    for name, expr in raw.items():
+        try:
+            values[name] = value(ast.parse(expr, mode="eval").body, values)
+        except (KeyError, SyntaxError, ValueError):
+            continue  # not an integer (a macro of code)
+    assert values["RING_WARPS"] == ring._WARPS and ring.THREADS == (ring._WARPS + 1) * 32
+    assert values["RING_XMAX"] == ring._XMAX and values["RING_ROPE_PAIRS"] == ring._ROPE_PAIRS
+    assert values["RING_MAX_PHASES"] == ring.MAX_PHASES
+    assert values["RING_NEXT"] + values["RING_MAX_PHASES"] == ring.N_COUNTERS
+    assert values["RING_SLOT_BYTES"] == ring.slot_bytes()
+    assert values["RING_WARPS"] // values["RING_GROUPS"] == ring.group_warps()
+    head = ring.ring_smem() - values["RING_SLOTS"] * ring.slot_bytes()
+    assert 0 < head < 32 * 1024 and head % 128 == 0  # the slots start 128-byte aligned
