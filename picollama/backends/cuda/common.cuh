@@ -58,6 +58,28 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 // thread its part, in double, into acc): 1 / sqrt(mean + eps) with ggml's float32 steps,
 // written to *scale by one thread. red: a shared slot a warp; every thread of the block
 // must call it (two barriers).
+// The RMS norm's scale 1 / sqrt(mean + eps) from the float64 sum of squares of d values,
+// in the CPU's float32 steps.
+__device__ __forceinline__ float rms_scale(double sum, int d, float eps) {
+    const float mean = (float)(sum / (double)d);
+    return 1.0f / (float)sqrt((double)__fadd_rn(mean, eps));
+}
+
+// v normed: (v * s) * g a value, two float32 products in the CPU's order
+__device__ __forceinline__ float4 norm4(float4 v, float s, float4 g) {
+    return make_float4(__fmul_rn(__fmul_rn(v.x, s), g.x), __fmul_rn(__fmul_rn(v.y, s), g.y),
+                       __fmul_rn(__fmul_rn(v.z, s), g.z), __fmul_rn(__fmul_rn(v.w, s), g.w));
+}
+
+// RoPE's (cos, sin) for pair i at position p: theta = p theta_scale^i by i float32
+// products (the CPU's order), the angle freq_scale theta, cos and sin in float64
+__device__ __forceinline__ float2 rope_cs(float p, int i, float theta_scale, float freq_scale) {
+    float theta = p;
+    for (int s = 0; s < i; s++) theta = __fmul_rn(theta, theta_scale);
+    const float angle = __fmul_rn(freq_scale, theta);
+    return make_float2((float)cos((double)angle), (float)sin((double)angle));
+}
+
 __device__ __forceinline__ void block_rms_scale(double acc, double* red, int n_warps, int d,
                                                 float eps, float* scale) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -67,11 +89,7 @@ __device__ __forceinline__ void block_rms_scale(double acc, double* red, int n_w
     if (warp == 0) {
         double v = lane < n_warps ? red[lane] : 0.0;
         v = warp_sum_d(v);
-        if (lane == 0) {
-            float mean = (float)(v / (double)d);
-            float root = (float)sqrt((double)__fadd_rn(mean, eps));
-            *scale = 1.0f / root;
-        }
+        if (lane == 0) *scale = rms_scale(v, d, eps);
     }
     __syncthreads();
 }

@@ -781,12 +781,8 @@ __device__ __forceinline__ void mvq_body(
         // not on the critical path of each pair's epilogue. The position was copied to the
         // device before the graph's first kernel, so it may be read before the wait.
         const float p_f = (float)*ra.pos;
-        for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x) {
-            float theta = p_f;
-            for (int s = 0; s < i; s++) theta = __fmul_rn(theta, ra.theta_scale);
-            float angle = __fmul_rn(ra.freq_scale, theta);
-            s_cs[i] = make_float2((float)cos((double)angle), (float)sin((double)angle));
-        }
+        for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x)
+            s_cs[i] = rope_cs(p_f, i, ra.theta_scale, ra.freq_scale);
     }
     pdl_wait();
     MVQ_TR(tr_1);
@@ -843,9 +839,7 @@ __device__ __forceinline__ void mvq_body(
             double v = 0.0;
 #pragma unroll
             for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) v += sl[u];
-            v = warp_sum_d(v);
-            const float mean = (float)(v / (double)k);  // block_rms_scale's float32 steps
-            ssq_scale = 1.0f / (float)sqrt((double)__fadd_rn(mean, eps));
+            ssq_scale = rms_scale(warp_sum_d(v), k, eps);  // block_rms_scale's float32 steps
         }
 #pragma unroll
         for (int r = 0; r < XB; r++) {
@@ -853,14 +847,7 @@ __device__ __forceinline__ void mvq_body(
             bool in = i4 < n4;
             int t = in ? (4 * i4) / k : 0;
             float4 v = xv[r];
-            if (norm && in) {
-                float s = ssq ? ssq_scale : s_scale[t];
-                float4 g = gv[r];
-                v.x = __fmul_rn(__fmul_rn(v.x, s), g.x);
-                v.y = __fmul_rn(__fmul_rn(v.y, s), g.y);
-                v.z = __fmul_rn(__fmul_rn(v.z, s), g.z);
-                v.w = __fmul_rn(__fmul_rn(v.w, s), g.w);
-            }
+            if (norm && in) v = norm4(v, ssq ? ssq_scale : s_scale[t], gv[r]);
             quantize4(v, i4, in, sq, sd, ss);
         }
     }

@@ -49,11 +49,8 @@ __device__ __forceinline__ void rope_head(const float* __restrict__ xh, float* _
         int a = neox ? i : 2 * i;
         int b = neox ? i + half : 2 * i + 1;
         float x0 = xh[a], x1 = xh[b];
-        float theta = p;
-        for (int s = 0; s < i; s++) theta = __fmul_rn(theta, theta_scale);
-        float angle = __fmul_rn(freq_scale, theta);
-        float c = (float)cos((double)angle);
-        float sn = (float)sin((double)angle);
+        const float2 cs = rope_cs(p, i, theta_scale, freq_scale);
+        const float c = cs.x, sn = cs.y;
         float o0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
         float o1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
         oh[a] = o0;

@@ -12,8 +12,8 @@
 // that phase's first stages, so the memory keeps streaming across the boundary.
 //
 // The source is built with Q4_K's and Q6_K's int8 matvec code (quant.cu and mmvq.cu, each
-// in a namespace of its own, with generic loads so that their QD::load reads a tile in
-// shared memory) and this file after them (layout.ring_source).
+// in a namespace of its own, with weight loads from shared memory so that their QD::load
+// reads a tile in a slot) and this file after them (layout.ring_source).
 //
 // Arithmetic. Each row's dot is the one-token kernel's (matvec_q8_n1): one warp takes
 // the whole row, lane l multiplies chunks l + 32 i in that order with QD::dot and the
@@ -334,12 +334,8 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
         if (p == a.n_phases - 1) pdl_trigger();
         if (ph.kind == 2) {  // RoPE's angles, rope_head's float32 operations (ops.cu)
             const float p_f = (float)*ph.pos;
-            for (int i = threadIdx.x; i < (ph.n_rot >> 1); i += RING_THREADS) {
-                float theta = p_f;
-                for (int s = 0; s < i; s++) theta = __fmul_rn(theta, ph.theta_scale);
-                const float angle = __fmul_rn(ph.freq_scale, theta);
-                s_cs[i] = make_float2((float)cos((double)angle), (float)sin((double)angle));
-            }
+            for (int i = threadIdx.x; i < (ph.n_rot >> 1); i += RING_THREADS)
+                s_cs[i] = rope_cs(p_f, i, ph.theta_scale, ph.freq_scale);
         }
         // x: the norm's scale from the writer's sums, then each run of 32 quantized as the
         // one-token kernels do (4 values a thread, 8 lanes a run), 4 rounds of loads at once
@@ -347,9 +343,7 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
         if (ph.norm_w != nullptr) {
             double v = 0.0;
             for (int i = lane; i < ph.ssq_n; i += 32) v += __ldcg(ph.ssq_in + i);
-            v = warp_sum_d(v);
-            const float mean = (float)(v / (double)k);
-            scale = 1.0f / (float)sqrt((double)__fadd_rn(mean, ph.eps));
+            scale = rms_scale(warp_sum_d(v), k, ph.eps);
         }
         const int n4 = k / 4;
         for (int base0 = 0; base0 < n4; base0 += 4 * RING_THREADS) {
@@ -364,14 +358,7 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
 #pragma unroll
             for (int r = 0; r < 4; r++) {
                 const int i4 = base0 + r * RING_THREADS + threadIdx.x;
-                float4 v = xv[r];
-                if (ph.norm_w != nullptr) {
-                    const float4 g = gv[r];
-                    v.x = __fmul_rn(__fmul_rn(v.x, scale), g.x);
-                    v.y = __fmul_rn(__fmul_rn(v.y, scale), g.y);
-                    v.z = __fmul_rn(__fmul_rn(v.z, scale), g.z);
-                    v.w = __fmul_rn(__fmul_rn(v.w, scale), g.w);
-                }
+                const float4 v = ph.norm_w != nullptr ? norm4(xv[r], scale, gv[r]) : xv[r];
                 q4k::quantize4(v, i4, i4 < n4, sq, sd, ss);
             }
         }
