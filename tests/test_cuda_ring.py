@@ -40,10 +40,14 @@ RING = TinySpec(
 )
 
 
-# the ring as built by default, and with its stages handed out by a counter, one stage
-# ahead of each phase's x, and x's codes in the bank-conflict-free order (schedules and
+# the ring as built by default, and with its stages handed out by a counter (4 atomics in
+# flight), one stage ahead of each phase's x, two slots a group (ffn_down's 14336-wide Q6_K
+# rows in a group's whole share, gate + up in slots) and x's codes in order (schedules and
 # storage orders only: the same bits)
-@pytest.mark.parametrize("defines", ["RING=1", "RING=1,RING_DYN=1,RING_BCAP=1,MVQ_XSWZ=2"])
+_VARIANTS = "RING=1,RING_DYN=4,RING_BCAP=1,RING_SLOTS=8,RING_SLOT_BYTES=24576,MVQ_XSWZ=0"
+
+
+@pytest.mark.parametrize("defines", ["RING=1", _VARIANTS])
 def test_ring_chains_match_a_launch_a_matvec(tmp_path, monkeypatch, defines):
     _cuda()
     path = tmp_path / "ring.gguf"
@@ -76,6 +80,7 @@ def test_ring_args_mirror_the_kernels_structures():
     # ring.cu static_asserts the same sizes and offsets
     assert ctypes.sizeof(ring.RingArgs) == 1424 and ctypes.sizeof(ring._Phase) == 352
     assert ring._Phase.x.offset == 240 and ring.RingArgs.counters.offset == 1416
+    assert ring._Phase.whole.offset == 236
     # rows a stage: 16 of Q4_K 4096 (36 KB), 8 of Q6_K 4096, 4 of Q6_K 14336 (46 KB); gate
     # and up 8 each; a group's warps take whole rows (whole RoPE pairs); none where no
     # such power of two divides m
@@ -91,6 +96,28 @@ def test_ring_args_mirror_the_kernels_structures():
     assert ring.rows_per_stage(GGMLType.Q6_K, 512, 258, 1, False) == 0
     assert ring.rows_per_stage(GGMLType.Q6_K, 512, 256, 1, True) == 16
     assert ring.ring_smem() <= 227 * 1024
+
+
+def test_ring_phases_in_slots_or_a_groups_share(monkeypatch):
+    """Two 24 KB slots a group: stages fit a slot where they can (gate + up: 4 rows of
+    each, 18 KB), and a phase whose weight has no such stage (ffn_down's Q6_K rows of 14336
+    are 11.5 KB: 2 rows, fewer than a group's 4 warps) takes a group's 48 KB share."""
+    from types import SimpleNamespace as NS
+
+    from picollama.backends.cuda import layout, ring
+
+    monkeypatch.setenv(layout.DEFINES_ENV, "RING_SLOTS=8,RING_SLOT_BYTES=24576")
+    assert ring.slot_bytes() == 24576 and ring.share_bytes() == 49152
+    gate_up = NS(act=1, rope=None, k=4096, weights=[NS(qtype=GGMLType.Q4_K, m=14336)] * 2)
+    down = NS(act=0, rope=None, k=14336, weights=[NS(qtype=GGMLType.Q6_K, m=4096)])
+    too_wide = NS(act=0, rope=None, k=14336 * 4, weights=[NS(qtype=GGMLType.Q6_K, m=4096)])
+    assert ring.phase_rows(gate_up) == (False, [4, 4])
+    assert ring.phase_rows(down) == (True, [4])
+    assert ring.phase_rows(too_wide) is None
+    assert ring.ring_smem() <= 227 * 1024
+    monkeypatch.delenv(layout.DEFINES_ENV)
+    assert ring.share_bytes() == ring.slot_bytes() == 49152
+    assert ring.phase_rows(gate_up) == (False, [8, 8]) and ring.phase_rows(down) == (False, [4])
 
 
 def test_ring_chain_rules():
@@ -183,7 +210,9 @@ def test_ring_py_mirrors_the_kernels_defines(monkeypatch):
     assert values["RING_XMAX"] == ring._XMAX and values["RING_ROPE_PAIRS"] == ring._ROPE_PAIRS
     assert values["RING_MAX_PHASES"] == ring.MAX_PHASES
     assert values["RING_NEXT"] + values["RING_MAX_PHASES"] == ring.N_COUNTERS
-    assert values["RING_SLOT_BYTES"] == ring.slot_bytes()
+    assert values["RING_SLOT_BYTES"] == ring.slot_bytes() and values["RING_HEAD"] == ring._HEAD
+    ring_bytes = values["RING_SLOTS"] * values["RING_SLOT_BYTES"]
+    assert ring_bytes == ring.share_bytes() * values["RING_GROUPS"]
     assert values["RING_WARPS"] // values["RING_GROUPS"] == ring.group_warps()
     head = ring.ring_smem() - values["RING_SLOTS"] * ring.slot_bytes()
     assert 0 < head < 32 * 1024 and head % 128 == 0  # the slots start 128-byte aligned

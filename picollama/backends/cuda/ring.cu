@@ -23,19 +23,22 @@
 // kernels do (float64 sums over other sets of rows: the same float32 scale but for a
 // last-bit tie).
 
+// The ring: RING_SLOTS slots of RING_SLOT_BYTES, RING_SPG of them each consumer group's
+// (its share, in order: a group's stages take its slots in turn, so that one can land
+// while the group multiplies another). A phase whose stages do not fit a slot
+// (RingPhase.whole) gives each group its share as one slot instead: the 8B's ffn_down, 4
+// rows of Q6_K 14336 (46 KB), beside gate + up's 4 rows of each in 18 KB slots.
 #ifndef RING_SLOTS
 #define RING_SLOTS 4
 #endif
 #ifndef RING_SLOT_BYTES
 #define RING_SLOT_BYTES (48 * 1024)
 #endif
-#ifndef RING_CAP
-#define RING_CAP RING_SLOTS  // the most slots in flight (issued, not landed)
-#endif
-// RING_DYN: a phase's stages are handed out by a counter (each block's producer takes the
-// next with an atomic add) instead of round robin by block, so that blocks which finish
-// early take more and the phase ends together; the producer writes each slot's stage in
-// s_stage, and a stage of -1 (one a group, no bytes) ends the phase for that group
+// RING_DYN (0: off): a phase's stages are handed out by a counter (each block's producer
+// takes the next with an atomic add, RING_DYN of them in flight) instead of round robin by
+// block, so that blocks which finish early take more and the phase ends together; the
+// producer writes each slot's stage in s_stage, and a stage of -1 (one a group, no bytes)
+// ends the phase for that group
 #ifndef RING_DYN
 #define RING_DYN 0
 #endif
@@ -47,8 +50,8 @@
 #endif
 #define RING_WARPS 16  // consumer warps; one more warp produces
 #define RING_THREADS (RING_WARPS * 32)
-// The consumers are RING_GROUPS groups of RING_GW warps, and a block's stage n goes to
-// group n % RING_GROUPS: the groups work on different slots at once, so one stage's
+// The consumers are RING_GROUPS groups of RING_GW warps, and a block's stage n of a phase
+// goes to group n % RING_GROUPS: the groups work on different slots at once, so one stage's
 // latencies (its wait, the warp sums, the outputs' stores) overlap the others' work
 // instead of all 16 warps passing each stage together. A warp takes whole rows of its
 // group's stage (at most RING_MAXD: a stage has at most 16 rows).
@@ -59,6 +62,11 @@
 #define RING_MAXD RING_GROUPS
 static_assert(RING_WARPS % RING_GROUPS == 0 && RING_SLOTS % RING_GROUPS == 0,
               "groups of whole warps, each with whole slots");
+#define RING_SPG (RING_SLOTS / RING_GROUPS)  // slots a group
+// a full and an empty barrier for each slot, then for each group's whole share
+#define RING_BARS (RING_SLOTS + RING_GROUPS)
+#define RING_HEAD 256  // bytes of shared memory before the RoPE table: the barriers
+static_assert(2 * RING_BARS * 8 <= RING_HEAD, "the barriers fit the head");
 #define RING_XMAX 14336  // the widest x a phase reads
 #define RING_MAX_PHASES 4
 #define RING_NEXT (RING_MAX_PHASES + 1)
@@ -109,6 +117,7 @@ struct RingPhase {
     int n_w;
     int kind;  // 0: rows, y0 = W0 x (+ resid); 1: y0 = act(W0 x) * (W1 x); 2: Q, K, V + RoPE
     int k, act, n_stages;
+    int whole;  // 1: a stage takes a group's whole share of the ring (RING_SPG slots)
     const float* x;
     const float* norm_w;  // with ssq_in: x RMS-normalized and scaled by it
     float eps;
@@ -212,8 +221,8 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
     const RingArgs& a = *args;
     extern __shared__ __align__(128) u8 ring_smem[];
     u64* full = (u64*)ring_smem;
-    u64* empty = full + RING_SLOTS;
-    float2* s_cs = (float2*)(ring_smem + 128);
+    u64* empty = full + RING_BARS;
+    float2* s_cs = (float2*)(ring_smem + RING_HEAD);
     double* s_red = (double*)(s_cs + RING_ROPE_PAIRS);  // RING_WARPS
     signed char* sq = (signed char*)(s_red + RING_WARPS);
     float* sd = (float*)(sq + RING_XMAX);
@@ -226,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
     __shared__ int s_xready;  // the last phase whose x the consumers have quantized
 #endif
     if (threadIdx.x == 0) {
-        for (int s = 0; s < RING_SLOTS; s++) bar_init(&full[s], 1), bar_init(&empty[s], RING_GW);
+        for (int b = 0; b < RING_BARS; b++) bar_init(&full[b], 1), bar_init(&empty[b], RING_GW);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #if RING_BCAP
         s_xready = -1;
@@ -238,45 +247,54 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
     __shared__ u64 s_pwait[RING_MAX_PHASES];  // the producer's waits a phase
 #endif
 #if RING_DYN
-    __shared__ int s_stage[RING_SLOTS];  // each slot's stage, -1: the phase's end
+    __shared__ int s_stage[RING_BARS];  // each slot's stage, -1: the phase's end
 #endif
+    // barrier b's bytes: slot b, or (b >= RING_SLOTS) group b - RING_SLOTS's whole share
+    auto slot_at = [&](int b) -> u8* {
+        return slots + (u64)(b < RING_SLOTS ? b : (b - RING_SLOTS) * RING_SPG) * RING_SLOT_BYTES;
+    };
     if (warp == RING_WARPS) {  // the producer: every phase's stages of this block, in order
         if (lane == 0) {
-            u64 n = 0;
+            // each group's fills so far: of its slots (in turn), of its whole share
+            u32 us[RING_GROUPS], ub[RING_GROUPS];
+            for (int g = 0; g < RING_GROUPS; g++) us[g] = ub[g] = 0;
             for (int p = 0; p < a.n_phases; p++) {
                 const RingPhase& ph = a.ph[p];
                 const int bpr = ph.k / 256;
-#if MVQ_TRACE
-                u64 pw = 0;
-#endif
-#if RING_BCAP
-                int issued = 0;  // this phase's stages so far
-#endif
-#if RING_DYN
-                int s = (int)atomicAdd(a.counters + RING_NEXT + p, 1u), ends = 0;
-                for (;; n++) {
-#else
-                for (int s = blockIdx.x; s < ph.n_stages; s += gridDim.x, n++) {
-#endif
-                    const int slot = (int)(n % RING_SLOTS);
-                    if (n >= RING_SLOTS) RING_WAIT(pw, bar_wait(&empty[slot], (u32)(n / RING_SLOTS - 1) & 1u));
-                    if (RING_CAP < RING_SLOTS && n >= RING_CAP)
-                        RING_WAIT(pw, bar_wait(&full[(n - RING_CAP) % RING_SLOTS], (u32)((n - RING_CAP) / RING_SLOTS) & 1u));
-#if RING_DYN
-                    if (s >= ph.n_stages) {  // the end, once for each group (n % RING_GROUPS)
-                        s_stage[slot] = -1;
-                        bar_arrive(&full[slot]);  // (its release makes s_stage visible)
-                        if (++ends == RING_GROUPS) {
-                            n++;
-                            break;
+                const bool whole = ph.whole != 0;
+                u64 pw = 0;  // (MVQ_TRACE) the waits for free bytes
+                (void)pw;
+                int issued = 0;  // (RING_BCAP) this phase's stages so far
+                (void)issued;
+                // group g's next barrier, once the consumers are done with every earlier
+                // fill of its bytes (a wait on a phase that has completed returns at once)
+                auto claim = [&](int g) -> int {
+                    const u32 nb = ub[g], ns = us[g];
+                    if (whole) {
+                        if (nb > 0) RING_WAIT(pw, bar_wait(&empty[RING_SLOTS + g], (nb - 1) & 1u));
+                        for (u32 i = 1; i <= RING_SPG && i <= ns; i++) {  // its slots' last fills
+                            const u32 f = ns - i;
+                            RING_WAIT(pw, bar_wait(&empty[g * RING_SPG + f % RING_SPG], (f / RING_SPG) & 1u));
                         }
-                        continue;
+                        ub[g] = nb + 1;
+                        return RING_SLOTS + g;
                     }
-                    s_stage[slot] = s;
-                    const int s_now = s;  // the next one's atomic in flight meanwhile
-                    s = (int)atomicAdd(a.counters + RING_NEXT + p, 1u);
-#else
-                    const int s_now = s;
+                    const int b = g * RING_SPG + (int)(ns % RING_SPG);
+                    if (ns >= RING_SPG) RING_WAIT(pw, bar_wait(&empty[b], (ns / RING_SPG - 1) & 1u));
+                    if (nb > 0) RING_WAIT(pw, bar_wait(&empty[RING_SLOTS + g], (nb - 1) & 1u));
+                    us[g] = ns + 1;
+                    return b;
+                };
+                // the block's j-th stage of the phase, s, to group j % RING_GROUPS (s < 0:
+                // that group's end of the phase, RING_DYN)
+                auto issue = [&](int j, int s) {
+                    const int b = claim(j % RING_GROUPS);
+#if RING_DYN
+                    s_stage[b] = s;
+                    if (s < 0) {
+                        bar_arrive(&full[b]);  // (its release makes s_stage visible)
+                        return;
+                    }
 #endif
 #if RING_BCAP
                     if (issued++ == RING_BCAP) {
@@ -285,23 +303,49 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
                     }
 #endif
                     int wi, r0;
-                    ring_stage(ph, s_now, &wi, &r0);
+                    ring_stage(ph, s, &wi, &r0);
                     const int nw = ph.kind == 1 ? 2 : 1;
                     u32 total = 0;
-                    for (int j = 0; j < nw; j++)
-                        for (int f = 0; f < 4; f++) total += ring_field_bytes(ph.w[wi + j], f, bpr);
-                    bar_expect(&full[slot], total);
-                    u8* dst = slots + (u64)slot * RING_SLOT_BYTES;
-                    for (int j = 0; j < nw; j++) {
-                        const RingWeight& w = ph.w[wi + j];
+                    for (int jw = 0; jw < nw; jw++)
+                        for (int f = 0; f < 4; f++) total += ring_field_bytes(ph.w[wi + jw], f, bpr);
+                    bar_expect(&full[b], total);
+                    u8* dst = slot_at(b);
+                    for (int jw = 0; jw < nw; jw++) {
+                        const RingWeight& w = ph.w[wi + jw];
                         for (int f = 0; f < 4; f++) {
-                            const u32 b = ring_field_bytes(w, f, bpr);
-                            if (b == 0) continue;
-                            bulk_copy(dst, w.f[f] + (u64)r0 * bpr * w.fsz[f], b, &full[slot]);
-                            dst += b;
+                            const u32 nbytes = ring_field_bytes(w, f, bpr);
+                            if (nbytes == 0) continue;
+                            bulk_copy(dst, w.f[f] + (u64)r0 * bpr * w.fsz[f], nbytes, &full[b]);
+                            dst += nbytes;
                         }
                     }
+                };
+                int j = 0;
+#if RING_DYN
+                // RING_DYN stages taken ahead: stage q[u] is used RING_DYN stages after its
+                // atomic went out (the counter only grows: the first one past the end ends
+                // the phase)
+                unsigned int* next = a.counters + RING_NEXT + p;
+                int q[RING_DYN];
+#pragma unroll
+                for (int u = 0; u < RING_DYN; u++) q[u] = (int)atomicAdd(next, 1u);
+                for (bool more = true; more;) {
+#pragma unroll
+                    for (int u = 0; u < RING_DYN; u++) {
+                        if (!more) break;
+                        const int s = q[u];
+                        if (s >= ph.n_stages) {
+                            more = false;
+                            break;
+                        }
+                        q[u] = (int)atomicAdd(next, 1u);
+                        issue(j++, s);
+                    }
                 }
+                for (int g = 0; g < RING_GROUPS; g++) issue(j++, -1);
+#else
+                for (int s = blockIdx.x; s < ph.n_stages; s += gridDim.x) issue(j++, s);
+#endif
 #if MVQ_TRACE
                 *(volatile u64*)&s_pwait[p] = pw;  // read after the phase's last stage landed
 #endif
@@ -311,8 +355,9 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
     }
 
     // consumers
-    // the block's stages so far (the producer's count; RING_DYN: the group's next one)
-    u64 n = RING_DYN ? (u64)grp : 0;
+    // the group's fills taken: of its slots (in turn), of its whole share (the producer's
+    // us[grp], ub[grp])
+    u32 us = 0, ub = 0;
 #if MVQ_TRACE
     u64 tr[5] = {0, 0, 0, 0, 0};
     u64 cwait = 0;
@@ -389,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
             const int il = wg * per;  // its first row in the stage (gate's and up's alike)
             // the slot's fields: weight wi's, then (gate + up) weight 1's, `up` bytes on
             const u8* fa[4];
-            const u8* at = slots + (u64)slot * RING_SLOT_BYTES;
+            const u8* at = slot_at(slot);
 #pragma unroll
             for (int f = 0; f < 4; f++) fa[f] = at, at += ring_field_bytes(w, f, bpr);
             const u32 up = (u32)(at - fa[0]);
@@ -446,28 +491,37 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
             if (tr[3] == 0) tr[3] = ring_gtimer();
 #endif
         };
+        // the group's next barrier and the parity of its fill (the producer's claim)
+        auto take = [&](u32* parity) -> int {
+            if (ph.whole) {
+                *parity = ub++ & 1u;
+                return RING_SLOTS + grp;
+            }
+            *parity = (us / RING_SPG) & 1u;
+            return grp * RING_SPG + (int)(us++ % RING_SPG);
+        };
 #if RING_DYN
-        // the group's slots in the producer's order (n = grp, grp + RING_GROUPS, ...) until
-        // its end of the phase
-        for (;; n += RING_GROUPS) {
-            const int slot = (int)(n % RING_SLOTS);
-            RING_WAIT(cwait, bar_wait(&full[slot], (u32)(n / RING_SLOTS) & 1u));
-            const int s = *(volatile int*)&s_stage[slot];
+        // the group's stages in the producer's order until its end of the phase
+        for (;;) {
+            u32 par;
+            const int b = take(&par);
+            RING_WAIT(cwait, bar_wait(&full[b], par));
+            const int s = *(volatile int*)&s_stage[b];
             if (s < 0) {
                 __syncwarp();
-                if (lane == 0) bar_arrive(&empty[slot]);
-                n += RING_GROUPS;
+                if (lane == 0) bar_arrive(&empty[b]);
                 break;
             }
-            run_stage(s, slot);
+            run_stage(s, b);
         }
 #else
-        // stage n of the block goes to group n % RING_GROUPS (the slots' order)
-        for (int s = blockIdx.x; s < ph.n_stages; s += gridDim.x, n++) {
-            if ((int)(n % RING_GROUPS) != grp) continue;
-            const int slot = (int)(n % RING_SLOTS);
-            RING_WAIT(cwait, bar_wait(&full[slot], (u32)(n / RING_SLOTS) & 1u));
-            run_stage(s, slot);
+        // the block's j-th stage of the phase goes to group j % RING_GROUPS
+        for (int s = blockIdx.x, j = 0; s < ph.n_stages; s += gridDim.x, j++) {
+            if (j % RING_GROUPS != grp) continue;
+            u32 par;
+            const int b = take(&par);
+            RING_WAIT(cwait, bar_wait(&full[b], par));
+            run_stage(s, b);
         }
 #endif
         // every thread's outputs visible device-wide before the block counts itself done;

@@ -21,7 +21,7 @@ from picollama.gguf.constants import GGMLType
 
 __all__ = [
     "MAX_PHASES", "N_COUNTERS", "THREADS", "RingArgs", "args_bytes", "build_args", "chain_at",
-    "group_warps", "ring_smem", "rows_per_stage", "slot_bytes",
+    "group_warps", "phase_rows", "ring_smem", "rows_per_stage", "share_bytes", "slot_bytes",
 ]  # fmt: skip
 
 MAX_PHASES = 4  # ring.cu's RING_MAX_PHASES
@@ -31,12 +31,20 @@ _XMAX = 14336  # RING_XMAX: the widest x
 _WARPS = 16  # RING_WARPS
 THREADS = (_WARPS + 1) * 32  # a block: the consumer warps and a producer warp
 _ROPE_PAIRS = 128  # RING_ROPE_PAIRS
+_HEAD = 256  # RING_HEAD: the barriers
 _QTYPE = {qtype: i for i, qtype in enumerate(layout.RING_TYPES)}  # RingWeight.qtype
 
 
 def slot_bytes() -> int:
     """Bytes of a ring slot (ring.cu's RING_SLOT_BYTES, a build variant's if set)."""
     return layout.define_value("RING_SLOT_BYTES", 48 * 1024)
+
+
+def share_bytes() -> int:
+    """Bytes of a consumer group's share of the ring (its RING_SLOTS / RING_GROUPS slots):
+    a stage's room in a phase whose stages do not fit a slot (RingPhase.whole)."""
+    slots, groups = layout.define_value("RING_SLOTS", 4), layout.define_value("RING_GROUPS", 4)
+    return slots // groups * slot_bytes()
 
 
 def group_warps() -> int:
@@ -48,7 +56,7 @@ def group_warps() -> int:
 def ring_smem() -> int:
     """Dynamic shared memory of matvec_ring (ring.cu's carving: barriers, RoPE table, block
     sums, x's codes, scales and half sums, then the slots)."""
-    head = 128 + _ROPE_PAIRS * 8 + _WARPS * 8
+    head = _HEAD + _ROPE_PAIRS * 8 + _WARPS * 8
     head += _XMAX + _XMAX // 32 * 4 + _XMAX // 16 * 4
     head = (head + 127) // 128 * 128
     return head + layout.define_value("RING_SLOTS", 4) * slot_bytes()
@@ -64,7 +72,8 @@ class _Weight(ctypes.Structure):  # RingWeight
 class _Phase(ctypes.Structure):  # RingPhase
     _fields_ = [
         ("w", _Weight * 3), ("n_w", ctypes.c_int), ("kind", ctypes.c_int), ("k", ctypes.c_int),
-        ("act", ctypes.c_int), ("n_stages", ctypes.c_int), ("x", ctypes.c_uint64),
+        ("act", ctypes.c_int), ("n_stages", ctypes.c_int), ("whole", ctypes.c_int),
+        ("x", ctypes.c_uint64),
         ("norm_w", ctypes.c_uint64), ("eps", ctypes.c_float), ("ssq_in", ctypes.c_uint64),
         ("ssq_n", ctypes.c_int), ("resid", ctypes.c_uint64), ("ssq_out", ctypes.c_uint64),
         ("pos", ctypes.c_uint64), ("start", ctypes.c_uint64), ("kcs", ctypes.c_uint64),
@@ -84,11 +93,14 @@ def _ptr(a) -> int:
     return 0 if a is None else int(a.data.ptr)
 
 
-def rows_per_stage(qtype: GGMLType, k: int, m: int, per_row: int, even: bool) -> int:
+def rows_per_stage(
+    qtype: GGMLType, k: int, m: int, per_row: int, even: bool, room: int | None = None
+) -> int:
     """Rows of a weight a stage takes (each of gate and up with ``per_row`` 2): the most, a
-    power of two and at most 16 / per_row, whose bytes fit a slot, whose fields are whole
-    bulk copies and that divide m, and that the warps of a group share as whole rows (as
-    whole pairs with ``even``: RoPE's pairs); 0 if none."""
+    power of two and at most 16 / per_row, whose bytes fit ``room`` (a slot's by default),
+    whose fields are whole bulk copies and that divide m, and that the warps of a group
+    share as whole rows (as whole pairs with ``even``: RoPE's pairs); 0 if none."""
+    room = slot_bytes() if room is None else room
     bpr = k // 256
     row = bpr * layout.ggml_block_bytes(qtype)
     fields = [size for _src, size in layout.FIELDS[qtype][1]]
@@ -97,10 +109,22 @@ def rows_per_stage(qtype: GGMLType, k: int, m: int, per_row: int, even: bool) ->
         # each field of a stage is one bulk copy: a multiple of 16 bytes from a 16-byte
         # boundary (Q6_K's 2-byte d of 2 rows of 512 is 8 bytes: no copy can move it)
         whole = all(r * bpr * size % 16 == 0 for size in fields)
-        if whole and per_row * r * row <= slot_bytes() and m % r == 0:
+        if whole and per_row * r * row <= room and m % r == 0:
             return r
         r //= 2
     return 0
+
+
+def phase_rows(mv) -> tuple[bool, list[int]] | None:
+    """A matvec's rows a stage, each weight's, in slots (whole False) or, where some weight
+    has none there, in a group's whole share (whole True); None where neither holds."""
+    per_row = 2 if mv.act else 1
+    even = mv.rope is not None
+    for whole, room in ((False, slot_bytes()), (True, share_bytes())):
+        rows = [rows_per_stage(dw.qtype, mv.k, dw.m, per_row, even, room) for dw in mv.weights]
+        if all(rows):
+            return whole, rows
+    return None
 
 
 def _eligible(mv, matvec_type) -> bool:
@@ -119,8 +143,7 @@ def _eligible(mv, matvec_type) -> bool:
     if rs is not None:
         if rs.neox or rs.n_rot // 2 > _ROPE_PAIRS or rs.head_dim % 2 or rs.head_dim_v % 2:
             return False
-    per_row = 2 if mv.act else 1
-    return all(rows_per_stage(dw.qtype, mv.k, dw.m, per_row, rs is not None) for dw in mv.weights)
+    return phase_rows(mv) is not None
 
 
 def chain_at(launches: list, i: int, matvec_type) -> list:
@@ -150,7 +173,8 @@ def build_args(chain: list, counters, n_blocks: int) -> RingArgs:
     args.counters = _ptr(counters)
     for p, mv in enumerate(chain):
         ph = args.ph[p]
-        per_row = 2 if mv.act else 1
+        whole, rows = phase_rows(mv)
+        ph.whole = int(whole)
         ph.kind = 1 if mv.act else (2 if mv.rope is not None else 0)
         ph.k, ph.act, ph.n_w = mv.k, mv.act, len(mv.weights)
         stages = 0
@@ -160,7 +184,7 @@ def build_args(chain: list, counters, n_blocks: int) -> RingArgs:
             for f, (offset, _src, size) in enumerate(lay.regions):
                 w.f[f], w.fsz[f] = _ptr(dw.buf) + offset, size
             w.qtype, w.m = _QTYPE[dw.qtype], dw.m
-            w.rows = rows_per_stage(dw.qtype, mv.k, dw.m, per_row, mv.rope is not None)
+            w.rows = rows[j]
             w.y = _ptr(mv.ys[j] if j < len(mv.ys) else None)
             stages += dw.m // w.rows
         ph.n_stages = mv.weights[0].m // ph.w[0].rows if mv.act else stages
