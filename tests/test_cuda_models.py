@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from backend_cases import N_GEN, PROMPT, SPECS, f16_kv_cpu
 from model_factory import TinySpec, write_tiny_model
 
 from picollama.backends.base import BackendError, get_backend
@@ -30,62 +31,12 @@ from picollama.backends.cuda.backend import _TRUST_AFTER, MV_MAX_TOKENS
 from picollama.gguf import GGMLType, GGUFReader
 from picollama.models import load_model
 
-N_GEN = 64
-PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66]
-
 
 def _cuda(**options):
     try:
         return get_backend("cuda", **options)
     except BackendError as err:
         pytest.skip(f"CUDA backend unavailable here: {err}")
-
-
-def _f16_kv_cpu():
-    from picollama.backends.cpu.backend import CPUBackend
-
-    class F16KVCPU(CPUBackend):
-        """The CPU reference with its KV cache rounded to fp16, as the CUDA cache is."""
-
-        def store_kv(self, cache, layer, k, v, start):
-            k16 = k.astype(np.float16).astype(np.float32)
-            v16 = v.astype(np.float16).astype(np.float32)
-            super().store_kv(cache, layer, k16, v16, start)
-
-    return F16KVCPU(arithmetic="exact")
-
-
-LLAMA = TinySpec(
-    n_layers=4,
-    n_embd=256,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=64,
-    n_ff=512,
-    weight_type=GGMLType.Q4_K,
-    tied=False,
-    seed=7,
-    overrides={
-        **{f"blk.{i}.ffn_down.weight": ((512, 256), GGMLType.Q6_K) for i in range(4)},
-        "output.weight": ((256, 258), GGMLType.Q6_K),
-        "blk.1.attn_v.weight": ((256, 128), GGMLType.Q8_0),
-    },
-)
-GEMMA3 = TinySpec(
-    arch="gemma3",
-    n_layers=6,
-    n_embd=256,
-    n_heads=4,
-    n_kv_heads=1,
-    head_dim=64,
-    n_ff=512,
-    sliding_window=8,
-    rope_base=1e6,
-    eps=1e-6,
-    weight_type=GGMLType.Q8_0,
-    seed=11,
-)
-SPECS = {"llama-q4_k_m": LLAMA, "gemma3-q8_0-swa": GEMMA3}
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
@@ -127,7 +78,7 @@ def _forced(backend, path, tokens):
 def test_greedy_tokens_match_cpu(model_file):
     cuda = _cuda(graphs=True, arithmetic="exact")
     tokens, logits = _greedy(cuda, model_file)
-    ref_tokens, ref_logits = _greedy(_f16_kv_cpu(), model_file)
+    ref_tokens, ref_logits = _greedy(f16_kv_cpu(), model_file)
     assert tokens == ref_tokens
     scale = np.abs(ref_logits).max()
     assert np.abs(logits - ref_logits).max() <= 1e-4 * scale
@@ -148,7 +99,7 @@ def test_int8_activations_follow_cpu(model_file):
     llama, 1.1e-2 for gemma3); we allow 5e-2, while a wrong kernel moves them by O(1).
     The argmax must agree wherever the CPU's top-2 margin exceeds twice that step's largest
     logit error (elsewhere the rounding may legitimately pick either)."""
-    ref_tokens, ref_logits = _greedy(_f16_kv_cpu(), model_file)
+    ref_tokens, ref_logits = _greedy(f16_kv_cpu(), model_file)
     cuda = _cuda(graphs=True)
     logits = _forced(cuda, model_file, ref_tokens)
     scale = np.abs(ref_logits).max()

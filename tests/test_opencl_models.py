@@ -21,15 +21,13 @@ import sys
 
 import numpy as np
 import pytest
-from model_factory import TinySpec, write_tiny_model
+from backend_cases import N_GEN, PROMPT, SPECS, f16_kv_cpu
+from model_factory import write_tiny_model
 
 from picollama.backends.base import BackendError, get_backend
-from picollama.gguf import GGMLType, GGUFReader
+from picollama.gguf import GGUFReader
 from picollama.models import load_model
 from picollama.models.base import Segment
-
-N_GEN = 64
-PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66]
 
 # Largest logit difference allowed, relative to the largest logit. Synthetic models (4-6
 # layers): the float32 reorderings leave ~1e-6 per op, 1e-4 is ample (as for CUDA). Real
@@ -43,53 +41,6 @@ def _opencl(**options):
         return get_backend("opencl", **options)
     except BackendError as err:
         pytest.skip(f"OpenCL backend unavailable here: {err}")
-
-
-def _f16_kv_cpu():
-    from picollama.backends.cpu.backend import CPUBackend
-
-    class F16KVCPU(CPUBackend):
-        """The exact CPU reference with its KV cache rounded to F16, as the OpenCL cache is."""
-
-        def store_kv(self, cache, layer, k, v, start):
-            k16 = k.astype(np.float16).astype(np.float32)
-            v16 = v.astype(np.float16).astype(np.float32)
-            super().store_kv(cache, layer, k16, v16, start)
-
-    return F16KVCPU(arithmetic="exact")
-
-
-LLAMA = TinySpec(
-    n_layers=4,
-    n_embd=256,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=64,
-    n_ff=512,
-    weight_type=GGMLType.Q4_K,
-    tied=False,
-    seed=7,
-    overrides={
-        **{f"blk.{i}.ffn_down.weight": ((512, 256), GGMLType.Q6_K) for i in range(4)},
-        "output.weight": ((256, 258), GGMLType.Q6_K),
-        "blk.1.attn_v.weight": ((256, 128), GGMLType.Q8_0),
-    },
-)
-GEMMA3 = TinySpec(
-    arch="gemma3",
-    n_layers=6,
-    n_embd=256,
-    n_heads=4,
-    n_kv_heads=1,
-    head_dim=64,
-    n_ff=512,
-    sliding_window=8,
-    rope_base=1e6,
-    eps=1e-6,
-    weight_type=GGMLType.Q8_0,
-    seed=11,
-)
-SPECS = {"llama-q4_k_m": LLAMA, "gemma3-q8_0-swa": GEMMA3}
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +74,7 @@ def _greedy(backend, path, prompt, n_gen, n_ctx=128):
 
 def _check_greedy(ocl, path, prompt, n_gen, rtol):
     tokens, logits = _greedy(ocl, path, prompt, n_gen)
-    ref_tokens, ref_logits = _greedy(_f16_kv_cpu(), path, prompt, n_gen)
+    ref_tokens, ref_logits = _greedy(f16_kv_cpu(), path, prompt, n_gen)
     assert tokens == ref_tokens
     err = float(np.abs(logits - ref_logits).max() / np.abs(ref_logits).max())
     print(f"{path.name}: {n_gen} tokens equal, max logit difference {err:.2e} of the largest")
@@ -139,7 +90,7 @@ def test_batched_sequences_match_cpu(ocl, model_file):
     offsets, concat of the attention outputs, RoPE at non-contiguous positions, take_rows of
     several logit rows."""
     results = []
-    for be in (ocl, _f16_kv_cpu()):
+    for be in (ocl, f16_kv_cpu()):
         with GGUFReader(model_file) as reader:
             model = load_model(reader, be)
             c0, c1 = model.new_cache(64), model.new_cache(64)
