@@ -54,10 +54,6 @@ __device__ __forceinline__ double warp_sum_d(double v) {
     return v;
 }
 
-// The RMS norm's scale of a row of d values whose squares the block's threads summed (each
-// thread its part, in double, into acc): 1 / sqrt(mean + eps) with ggml's float32 steps,
-// written to *scale by one thread. red: a shared slot a warp; every thread of the block
-// must call it (two barriers).
 // The RMS norm's scale 1 / sqrt(mean + eps) from the float64 sum of squares of d values,
 // in the CPU's float32 steps.
 __device__ __forceinline__ float rms_scale(double sum, int d, float eps) {
@@ -80,6 +76,10 @@ __device__ __forceinline__ float2 rope_cs(float p, int i, float theta_scale, flo
     return make_float2((float)cos((double)angle), (float)sin((double)angle));
 }
 
+// The RMS norm's scale of a row of d values whose squares the block's threads summed (each
+// thread its part, in double, into acc): 1 / sqrt(mean + eps) with ggml's float32 steps,
+// written to *scale by one thread. red: a shared slot a warp; every thread of the block
+// must call it (two barriers).
 __device__ __forceinline__ void block_rms_scale(double acc, double* red, int n_warps, int d,
                                                 float eps, float* scale) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
