@@ -1672,13 +1672,7 @@ class CUDABackend(Backend):
             elif mv.rope is not None:
                 kernel = kernels.matvec_q8_rope
             else:
-                # MVQ_WIDE_PLAIN=K (a build variant, off): an x of at least K values that is
-                # not normed takes the wide kernel too (x in one round of loads; a normed x
-                # keeps matvec_q8_n1, which takes the writer's sums of squares)
-                wide = k >= _MVQ_WIDE_K or (
-                    not norm and k >= layout.define_value("MVQ_WIDE_PLAIN", 1 << 30)
-                )
-                kernel = kernels.matvec_q8_wide if wide else kernels.matvec_q8_n1
+                kernel = kernels.matvec_q8_wide if k >= _MVQ_WIDE_K else kernels.matvec_q8_n1
             smem = _q8_smem(n, k)
             args = []
             for i in range(3):
