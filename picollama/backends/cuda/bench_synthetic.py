@@ -360,7 +360,8 @@ def trace_step(path: str, show: int = 10) -> list[str]:
     built with MVQ_TRACE=1 (mmvq.cu), one step is replayed from its graph, and each warp's
     times (entry, the dependent-launch wait done, x quantized, its first unit multiplied,
     done; %globaltimer) are read back. Returns the report's lines: the first ``show``
-    launches one by one, then each kind's medians over the step's launches of that kind.
+    launches one by one, then each kind's medians over the step's launches of that kind,
+    then each kind's prologue in four parts (``prologue_report``).
     The timer costs a little (an atomic a warp at its end), so read the spans as shares, not
     as the build's own times."""
     import cupy as cp
@@ -377,11 +378,12 @@ def trace_step(path: str, show: int = 10) -> list[str]:
     ctx.eval(rng.integers(0, ctx.n_vocab, size=8).tolist())
     for tok in rng.integers(0, ctx.n_vocab, size=4).tolist():  # records, then replays
         ctx.eval([tok])
-    # (module, its records, their counter, records at most, their width): mmvq.cu's, and
-    # ring.cu's (a record a block and phase, its kinds named "ring: ...", two more columns:
-    # the phase's waits for landed stages and for free slots)
+    # (module, its records, their counter, records at most, their width): mmvq.cu's (two
+    # more columns: x's first round quantized, the next unit's loads issued), and ring.cu's
+    # (a record a block and phase, its kinds named "ring: ...", two more columns: the
+    # phase's waits for landed stages and for free slots)
     mods = [
-        (k.module, "mvq_trace", "mvq_trace_n", 262144, 7)  # mmvq.cu's MVQ_TRACE_CAP
+        (k.module, "mvq_trace", "mvq_trace_n", 262144, 9)  # mmvq.cu's MVQ_TRACE_CAP
         for q, k in backend._quant_mods.items()
         if q in layout.Q8DOT_TYPES
     ]
@@ -393,13 +395,15 @@ def trace_step(path: str, show: int = 10) -> list[str]:
     cp.cuda.runtime.deviceSynchronize()
     ctx.eval([int(rng.integers(0, ctx.n_vocab))])
     cp.cuda.runtime.deviceSynchronize()
-    rows, waits = [], None
+    rows, prologues, waits = [], [], None
     for (m, records, _, cap, width), c in zip(mods, counters, strict=True):
         n = min(int(c.get()[0]), cap)
         rec = cp.ndarray((n, width), cp.uint64, memptr=m.get_global(records)).get()
         rows.append(rec[:, :7])
-        if width > 7:
+        if records == "ring_trace":
             waits = rec
+        else:
+            prologues.append(rec)
     trace = next(t for t in backend._traces.values() if t.graph is not None)
     name = _launch_namer(backend)
     launches = backend._fuse(trace) if backend.fuse else trace.launches
@@ -409,8 +413,32 @@ def trace_step(path: str, show: int = 10) -> list[str]:
             if isinstance(mv, _Matvec):
                 kinds[int(mv.weights[0].buf.data.ptr)] = ("ring: " if ringed else "") + name(mv)
     out = trace_report(np.concatenate(rows), kinds, show)
+    out += prologue_report(np.concatenate(prologues), kinds)
     if waits is not None and len(waits):
         out += ring_wait_report(waits, kinds)
+    return out
+
+
+def prologue_report(rec: np.ndarray, kinds: dict[int, str]) -> list[str]:
+    """A launch's prologue in four parts, from mmvq.cu's records (columns 3-5: wait done, x
+    quantized, first unit; 7: x's first round of loads quantized; 8: the next unit's loads
+    issued in the pipe's first step): medians over the warps of each kind's launches (us).
+    The first part is x's loads behind the weights in flight; the third, a warp held up
+    issuing loads; the fourth, the first unit's weights still on their way (or its dots)."""
+    out = [
+        "kind | wait->x's first round quantized | ->x quantized | ->next unit's loads issued"
+        " | ->first unit (us, medians)"
+    ]
+    t = rec.astype(np.float64)
+    t[rec == 0] = np.nan  # a time not taken (no first round, no next unit)
+    names = np.array([kinds.get(int(p), hex(int(p))) for p in rec[:, 0]])
+    for kind in dict.fromkeys(names.tolist()):
+        r = t[names == kind]
+        parts = (r[:, 7] - r[:, 3], r[:, 4] - r[:, 7], r[:, 8] - r[:, 4], r[:, 5] - r[:, 8])
+        with warnings.catch_warnings():  # all-NaN parts (no warp had a next unit) stay NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            cols = " | ".join(f"{np.nanmedian(p) / 1000:6.2f}" for p in parts)
+        out.append(f"{kind} | {cols}")
     return out
 
 

@@ -118,13 +118,15 @@
 // MVQ_TRACE (a diagnostic build: bench_synthetic --trace): each warp of the one-token
 // kernels writes its times (%globaltimer, ns) into mvq_trace: entry, the dependent-launch
 // wait done, x quantized, its first unit multiplied, done; with the first weight's address,
-// the block, the warp and the SM. Slots are taken in order of finishing, up to MVQ_TRACE_CAP.
+// the block, the warp and the SM; then two times inside the prologue: x's first round of
+// loads quantized, and the next unit's loads issued in the pipe's first step (before its
+// first unit is multiplied). Slots are taken in order of finishing, up to MVQ_TRACE_CAP.
 #ifndef MVQ_TRACE
 #define MVQ_TRACE 0
 #endif
 #if MVQ_TRACE
 #define MVQ_TRACE_CAP 262144
-__device__ unsigned long long mvq_trace[MVQ_TRACE_CAP][7];
+__device__ unsigned long long mvq_trace[MVQ_TRACE_CAP][9];
 __device__ unsigned int mvq_trace_n;
 __device__ __forceinline__ unsigned long long mvq_gtimer() {
     unsigned long long t;
@@ -134,6 +136,10 @@ __device__ __forceinline__ unsigned long long mvq_gtimer() {
 #define MVQ_TR(name) const unsigned long long name = mvq_gtimer()
 #define MVQ_TR_FIRST() \
     if (tr_f == 0) tr_f = mvq_gtimer()
+#define MVQ_TR_X1() \
+    if (tr_x1 == 0) tr_x1 = mvq_gtimer()
+#define MVQ_TR_ISSUED() \
+    if (tr_f == 0) tr_i = mvq_gtimer()
 #define MVQ_TR_END()                                                                       \
     do {                                                                                   \
         if (lane == 0) {                                                                   \
@@ -146,12 +152,15 @@ __device__ __forceinline__ unsigned long long mvq_gtimer() {
                 r[1] = blockIdx.x | ((unsigned long long)warp << 16) |                     \
                        ((unsigned long long)smid << 24);                                   \
                 r[2] = tr_0, r[3] = tr_1, r[4] = tr_2, r[5] = tr_f, r[6] = mvq_gtimer();    \
+                r[7] = tr_x1, r[8] = tr_i;                                                 \
             }                                                                              \
         }                                                                                  \
     } while (0)
 #else
 #define MVQ_TR(name)
 #define MVQ_TR_FIRST()
+#define MVQ_TR_X1()
+#define MVQ_TR_ISSUED()
 #define MVQ_TR_END()
 #endif
 
@@ -718,7 +727,7 @@ __device__ __forceinline__ void mvq_body(
 #endif
     MVQ_TR(tr_0);
 #if MVQ_TRACE
-    unsigned long long tr_f = 0;
+    unsigned long long tr_f = 0, tr_x1 = 0, tr_i = 0;
 #endif
     __shared__ double red[W];
     __shared__ float s_scale[NT];
@@ -854,6 +863,7 @@ __device__ __forceinline__ void mvq_body(
             if (norm && in) v = norm4(v, ssq ? ssq_scale : s_scale[t], gv[r]);
             quantize4(v, i4, in, sq, sd, ss);
         }
+        MVQ_TR_X1();
     }
     __syncthreads();
     MVQ_TR(tr_2);
@@ -976,6 +986,7 @@ __device__ __forceinline__ void mvq_body(
                                                         cpr, c_n, na, nb);
                     });
                 }
+                MVQ_TR_ISSUED();
                 const Job jb = job_at(jc);
                 const int c = lane + 32 * QD::UNROLL * it;
                 with_all(jb, [&](auto all) {
