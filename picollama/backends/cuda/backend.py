@@ -232,7 +232,7 @@ class _Matvec:
 
     __slots__ = (
         "be", "q8", "weights", "ys", "x", "n", "k", "norm_w", "eps", "resid", "act", "rope",
-        "ssq_out", "ssq_in", "tlb_next",
+        "ssq_out", "ssq_in",
     )  # fmt: skip
 
     def __init__(self, be, q8: bool, w, y, x, n: int):
@@ -250,7 +250,6 @@ class _Matvec:
         self.rope = None
         self.ssq_out = None  # _SumSquares: this launch writes x's for the next (see _fuse)
         self.ssq_in = None  # _SumSquares: this launch's norm takes x's from it
-        self.tlb_next = ()  # MVQ_TLB: the next launch's weights (see _fuse)
 
     def copy(self) -> _Matvec:
         c = copy.copy(self)
@@ -471,16 +470,6 @@ def _ssq_args(mv: _Matvec) -> list:
     if link is None or not link.n:
         return [out_buf, _NULL, np.int32(0)]
     return [out_buf, link.buf, np.int32(link.n)]
-
-
-def _tlb_args(mv: _Matvec) -> list:
-    """MVQ_TLB's arguments (a build variant): the next launch's weight buffers and their
-    bytes, three (pointer, bytes) pairs, null and 0 where there are fewer."""
-    out = []
-    for i in range(3):
-        buf = mv.tlb_next[i] if i < len(mv.tlb_next) else None
-        out += [_NULL, np.int64(0)] if buf is None else [buf, np.int64(buf.nbytes)]
-    return out
 
 
 def _root(a):
@@ -1541,11 +1530,6 @@ class CUDABackend(Backend):
             dropped.add(bounds[ik])
             dropped.add(bounds[s_])
         kept = [launch for idx, launch in enumerate(launches) if idx not in dropped]
-        if layout.define_value("MVQ_TLB", 0):
-            # each int8 matvec names the next one's weights (the last, the step's first)
-            mvs = [m for m in kept if isinstance(m, _Matvec) and m.q8]
-            for m, nxt in zip(mvs, mvs[1:] + mvs[:1], strict=True):
-                m.tlb_next = tuple(dw.buf for dw in nxt.weights)
         if layout.define_value("MVQ_SSQ", 1):
             self._link_sum_squares(kept, trace)
             if layout.define_value("RING", 0):
@@ -1768,8 +1752,6 @@ class CUDABackend(Backend):
                 mv.ssq_out.n = n_blocks if n == 1 and n_blocks <= _MVQ_SSQ_MAX else 0
             args += _ssq_args(mv)
             args.append(np.int32(self._pdl_at(n_blocks, max(1, per_sm))))
-            if layout.define_value("MVQ_TLB", 0):
-                args += _tlb_args(mv)
         if pdl is not None and mv.q8:  # the int8 kernels call pdl_wait()
             pdl.launch(kernel, grid, (threads,), args, smem, pdl.stream)
         else:

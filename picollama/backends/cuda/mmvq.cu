@@ -109,31 +109,6 @@
 #define MVQ_PRELOAD 1
 #endif
 
-// MVQ_TLB (off, a probe): at its entry each one-token launch sends one L2 prefetch a
-// MVQ_TLB_PAGE bytes of the next launch's weights (up to three buffers, spread over the
-// grid's first warps), so that their address translations are walked while this launch
-// runs, not when the next one's first loads go out (a launch's first unit lands 4-7 us
-// after its loads are issued, by run 37's trace, where a unit in the loop takes ~2).
-#ifndef MVQ_TLB
-#define MVQ_TLB 0
-#endif
-#ifndef MVQ_TLB_PAGE
-#define MVQ_TLB_PAGE 2097152
-#endif
-#if MVQ_TLB
-struct TlbArgs {
-    const u8* p[3];
-    i64 n[3];
-};
-#define MVQ_TLB_PARAMS , const u8 *tlb0, i64 tlbn0, const u8 *tlb1, i64 tlbn1, const u8 *tlb2, i64 tlbn2
-#define MVQ_TLB_ARGS , TlbArgs{{tlb0, tlb1, tlb2}, {tlbn0, tlbn1, tlbn2}}
-#define MVQ_TLB_BODY , TlbArgs tlb
-#else
-#define MVQ_TLB_PARAMS
-#define MVQ_TLB_ARGS
-#define MVQ_TLB_BODY
-#endif
-
 // The most blocks a launch that writes x may have for its reader to take x's sum of squares
 // from their partial sums (ssq_out / ssq_in below); the host links no bigger launch.
 #ifndef MVQ_SSQ_MAX
@@ -744,7 +719,7 @@ __device__ __forceinline__ void mvq_body(
     int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
     const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
     const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, double* ssq_out,
-    const double* __restrict__ ssq_in, int ssq_n, int pdl_at MVQ_TLB_BODY) {
+    const double* __restrict__ ssq_in, int ssq_n, int pdl_at) {
 #if MVQ_XSWZ  // x's codes (first) start 128-byte aligned: past the static arrays (s_cs ...)
     extern __shared__ __align__(128) int4 mvq_smem[];
 #else
@@ -814,16 +789,6 @@ __device__ __forceinline__ void mvq_body(
         Job jb = job_at(row_first);
         load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
     }
-#if MVQ_TLB
-    if (warp == 0) {  // a line a page of the next launch's weights (MVQ_TLB above)
-        const i64 stride = (i64)gridDim.x * 32 * MVQ_TLB_PAGE;
-#pragma unroll
-        for (int i = 0; i < 3; i++) {
-            for (i64 off = ((i64)blockIdx.x * 32 + lane) * MVQ_TLB_PAGE; off < tlb.n[i]; off += stride)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(tlb.p[i] + off));
-        }
-    }
-#endif
     if constexpr (ROPE) {
         // every pair's angle, with rope_head's float32 operations (ops.cu), before the dots:
         // not on the critical path of each pair's epilogue. The position was copied to the
@@ -1064,12 +1029,12 @@ __device__ __forceinline__ void mvq_body(
         int norm, const float *__restrict__ resid, int has_resid, int act,                   \
         const int *rope_pos, const int *rope_start, u16 *const *kcs, u16 *const *vcs,        \
         int head_dim, int head_dim_v, int n_rot, int neox, int n_ctx, float theta_scale,     \
-        float freq_scale, double *ssq_out, const double *ssq_in, int ssq_n, int pdl_at MVQ_TLB_PARAMS
+        float freq_scale, double *ssq_out, const double *ssq_in, int ssq_n, int pdl_at
 #define MVQ_ARGS                                                                           \
     w0, nb0, m0, y0, w1, nb1, m1, y1, w2, nb2, m2, y2, k, x, n, norm_w, eps, norm, resid,     \
         has_resid, act,                                                                    \
         RopeArgs{rope_pos, rope_start, kcs,   vcs,         head_dim,   head_dim_v,            \
-                 n_rot,    neox,       n_ctx, theta_scale, freq_scale}, ssq_out, ssq_in, ssq_n, pdl_at MVQ_TLB_ARGS
+                 n_rot,    neox,       n_ctx, theta_scale, freq_scale}, ssq_out, ssq_in, ssq_n, pdl_at
 
 // n <= MV_MAX_TOKENS rows of x (short batches), n <= 2 and n <= 4 (fewer accumulators a
 // row: the server's decode steps of a few sequences), and the decode case n = 1 (fewer
