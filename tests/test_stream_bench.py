@@ -67,3 +67,23 @@ def test_phase_ring_streams_and_every_flag_comes_on_a_gpu():
     assert len(rows) == len(phase_cases(quick=True)) + 1
     for label, rate, timeouts in rows:
         assert math.isfinite(rate) and rate > 1 and timeouts == 0, label
+
+
+def test_burst_cases_time_a_launchs_first_units_and_later_ones():
+    from picollama.backends.cuda.stream_bench import burst_cases
+
+    cases = burst_cases()
+    assert {c["steady"] for c in cases} == {0, 8}  # at the start, and after a stream
+    assert {c["warps"] for c in cases} == {4, 8, 16}  # the burst's size an SM grows
+    assert {c["units"] for c in cases} == {1, 2}
+    assert len({tuple(sorted(c.items())) for c in cases}) == len(cases)
+
+
+def test_burst_bench_times_every_case_on_a_gpu():
+    _gpu()
+    from picollama.backends.cuda.stream_bench import burst_bench, burst_cases
+
+    rows = list(burst_bench(mib=256))
+    assert len(rows) == len(burst_cases())
+    for label, med, p90 in rows:
+        assert 0 < med <= p90 < 1e4, label  # microseconds: a load takes some, none hangs

@@ -1,6 +1,6 @@
 """How fast one read stream from device memory can go, by the ways a kernel can load it.
 
-    python -m picollama.backends.cuda.stream_bench [--mib 1024] [-r 5] [--quick]
+    python -m picollama.backends.cuda.stream_bench [--mib 1024] [-r 5] [--quick] [--burst]
 
 Each case reads a buffer much larger than L2 once and reduces it (so that no load is
 dead), timed by events, median of ``-r`` launches; the figure is GB/s of bytes read.
@@ -13,6 +13,9 @@ dead), timed by events, median of ``-r`` launches; the figure is GB/s of bytes r
   from one contiguous run (``run``) or from ``pieces`` places far apart (``scat``: a
   matrix's rows or fields); 8 consumer warps read each stage from shared memory and free
   its slot, or (``consumers 0``) the producer reuses a slot once its copies have landed.
+- ``burst`` (``--burst``; printed first): how long a launch's first loads take when every
+  warp sends its first units at once, as the matvecs' preload does, against the same loads
+  after a steady stream; microseconds at the device's rated clock.
 
 The question it answers: can the bulk-copy engine, fed like this, keep the memory as busy
 as register loads do (and with how many bytes in flight a multiprocessor)? The matvec
@@ -31,6 +34,8 @@ import numpy as np
 
 __all__ = [
     "STREAM_SRC",
+    "burst_bench",
+    "burst_cases",
     "bulk_cases",
     "layer_8b",
     "main",
@@ -164,6 +169,43 @@ extern "C" __global__ void x_behind(const uint4* __restrict__ w, u64 w16,
     for (int i = 0; i < 4 * XB_UNITS; i++) acc ^= fold(r[i]);
     if (lane == 0) lat[gw] = (u32)(t1 - t0);
     if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+// A launch's first loads, as a decode matvec's preload sends them: each warp sends `units`
+// units of 3 KB (6 x 16 bytes a lane) at once and waits for all of them; lat[warp]: clock
+// cycles from the first load's issue to the last unit's bytes in use. With `steady` > 0 the
+// warp first streams that many units one after another (the memory already busy with
+// this launch's loads), and the units timed come after them. Every launch reads a region
+// of its own (base16: no byte of it in L2).
+#define BURST_UNITS 2
+extern "C" __global__ void burst(const uint4* __restrict__ w, u64 w16, u64 base16, int units,
+                                 int steady, u32* lat, u32* out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+    const u64 gw = (u64)blockIdx.x * W + warp, n_gw = (u64)gridDim.x * W;
+    auto unit_at = [&](int u) { return (base16 + ((u64)u * n_gw + gw) * 192) % (w16 - 192); };
+    u32 acc = 0;
+    for (int u = 0; u < steady; u++) {
+        const uint4* p = w + unit_at(u) + lane;
+#pragma unroll
+        for (int v = 0; v < 6; v++) acc ^= fold(__ldg(p + 32 * v));
+    }
+    uint4 r[6 * BURST_UNITS];
+    u64 t0, t1;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
+#pragma unroll
+    for (int u = 0; u < BURST_UNITS; u++) {
+        const uint4* p = w + unit_at(steady + u) + lane;
+#pragma unroll
+        for (int v = 0; v < 6; v++)
+            r[6 * u + v] = u < units ? __ldg(p + 32 * v) : make_uint4(0, 0, 0, 0);
+    }
+    u32 got = 0;
+#pragma unroll
+    for (int i = 0; i < 6 * BURST_UNITS; i++) got ^= fold(r[i]);
+    asm volatile("add.u32 %0, %0, 1;" : "+r"(got)::"memory");  // the bytes in use
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t1)::"memory");
+    if (lane == 0) lat[gw] = (u32)(t1 - t0);
+    if ((acc ^ got) == 0x9e3779b9u) out[0] = acc;
 }
 
 // A persistent launch that streams a sequence of phases (a decode step's matvecs) through
@@ -427,6 +469,46 @@ def x_behind_bench(mib: int = 1024):
                 yield label, float(np.median(c)), float(np.percentile(c, 90))
 
 
+def burst_cases() -> list[dict]:
+    """burst_bench's cases: warps a block (one block an SM), units a warp at once, units
+    streamed before them."""
+    return [
+        {"warps": warps, "units": units, "steady": steady}
+        for steady in (0, 8)
+        for warps in (4, 8, 16)
+        for units in (1, 2)
+    ]
+
+
+def burst_bench(mib: int = 1024):
+    """Yield (label, median, 90th percentile) microseconds from a warp's first load to its
+    units' bytes in use, for a launch whose warps all send their first units at once (as
+    the matvecs' preload does) and for units after a steady stream: how long a launch's
+    first unit takes, and whether that grows with the bytes the burst asks for."""
+    cp, mod, n_sm, _, w, out = _setup(mib)
+    kernel = mod.get_function("burst")
+    ghz = cp.cuda.Device().attributes["ClockRate"] / 1e6  # kHz -> GHz
+    w16 = w.size // 16
+    region = (64 << 20) // 16  # each launch 64 MiB further on: nothing of it in L2
+    launch = 0
+    for c in burst_cases():
+        grid, threads = n_sm, 32 * c["warps"]
+        lat = cp.zeros((grid * c["warps"],), dtype=cp.uint32)
+        samples = []
+        for _ in range(3):
+            launch += 1
+            base = np.uint64((launch * region) % w16)
+            args = (w, np.uint64(w16), base, np.int32(c["units"]), np.int32(c["steady"]), lat, out)
+            kernel((grid,), (threads,), args)
+            cp.cuda.runtime.deviceSynchronize()
+            samples.append(cp.asnumpy(lat).astype(np.float64) / ghz / 1e3)
+        us = np.concatenate(samples)
+        kb = c["warps"] * c["units"] * 3
+        when = "after 8 units streamed" if c["steady"] else "at the launch's start"
+        label = f"{c['warps']:2d} warps x {c['units']} units of 3 KB ({kb} KB an SM), {when}"
+        yield label, float(np.median(us)), float(np.percentile(us, 90))
+
+
 # One Llama-8B layer in Q4_K_M as the decode step meets it: (weight bytes, x width) a
 # phase. Q/K/V (Q4_K 6144 x 4096), the attention (no weights: a grid-wide hop, q's 4096
 # values), attn_output (Q4_K 4096 x 4096), gate + up (Q4_K 2 x 14336 x 4096), ffn_down
@@ -520,12 +602,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-r", "--reps", type=int, default=5, help="launches a case (median)")
     p.add_argument("--quick", action="store_true", help="fewer bulk-copy cases")
     p.add_argument("--phases", action="store_true", help="only the phase ring (8B layers)")
+    p.add_argument("--burst", action="store_true", help="only a launch's first loads")
     args = p.parse_args(argv)
     try:
         import cupy  # noqa: F401
     except ImportError:
         print("stream_bench needs CuPy and an NVIDIA GPU", file=sys.stderr)
         return 2
+    for label, med, p90 in burst_bench(args.mib):
+        print(f"first units: {med:6.2f} us median, {p90:6.2f} p90  {label}", flush=True)
+    if args.burst:
+        return 0
     for label, rate, timeouts in phase_bench(args.mib, reps=args.reps, quick=args.quick):
         print(
             f"{rate:8.0f} GB/s  {label}" + (" (a flag timed out)" if timeouts else ""), flush=True
