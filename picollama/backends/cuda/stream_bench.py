@@ -15,7 +15,8 @@ dead), timed by events, median of ``-r`` launches; the figure is GB/s of bytes r
   its slot, or (``consumers 0``) the producer reuses a slot once its copies have landed.
 - ``burst`` (``--burst``; printed first): how long a launch's first loads take when every
   warp sends its first units at once, as the matvecs' preload does, against the same loads
-  after a steady stream; microseconds at the device's rated clock.
+  after a steady stream; clock cycles turned into microseconds at the SM clock's rate,
+  measured by a kernel that spins for a known number of cycles.
 
 The question it answers: can the bulk-copy engine, fed like this, keep the memory as busy
 as register loads do (and with how many bytes in flight a multiprocessor)? The matvec
@@ -178,6 +179,16 @@ extern "C" __global__ void x_behind(const uint4* __restrict__ w, u64 w16,
 // this launch's loads), and the units timed come after them. Every launch reads a region
 // of its own (base16: no byte of it in L2).
 #define BURST_UNITS 2
+// one thread spins for `cycles` clock cycles: timed by events, the SM clock's rate
+extern "C" __global__ void spin(u64 cycles, u32* out) {
+    u64 t0, t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
+    do {
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+    } while (t - t0 < cycles);
+    if (t == 0) out[0] = 1;
+}
+
 extern "C" __global__ void burst(const uint4* __restrict__ w, u64 w16, u64 base16, int units,
                                  int steady, u32* lat, u32* out) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
@@ -487,7 +498,9 @@ def burst_bench(mib: int = 1024):
     first unit takes, and whether that grows with the bytes the burst asks for."""
     cp, mod, n_sm, _, w, out = _setup(mib)
     kernel = mod.get_function("burst")
-    ghz = cp.cuda.Device().attributes["ClockRate"] / 1e6  # kHz -> GHz
+    cycles = 20_000_000  # ~10 ms: the clock's rate, as the SM runs now
+    spin = partial(mod.get_function("spin"), (1,), (1,), (np.uint64(cycles), out))
+    ghz = cycles / _median_s(cp, spin, 3) / 1e9
     w16 = w.size // 16
     region = (64 << 20) // 16  # each launch 64 MiB further on: nothing of it in L2
     launch = 0
