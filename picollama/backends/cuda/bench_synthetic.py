@@ -419,6 +419,16 @@ def trace_step(path: str, show: int = 10) -> list[str]:
     return out
 
 
+def _kind_of(ptr, kinds: dict[int, str]) -> str:
+    """A launch's kind by its first weight's address (the address where it has none)."""
+    return kinds.get(int(ptr), hex(int(ptr)))
+
+
+def _kind_names(rec: np.ndarray, kinds: dict[int, str]) -> np.ndarray:
+    """Each trace record's kind of launch (its first column: the first weight's address)."""
+    return np.array([_kind_of(p, kinds) for p in rec[:, 0]])
+
+
 def prologue_report(rec: np.ndarray, kinds: dict[int, str]) -> list[str]:
     """A launch's prologue in four parts, from mmvq.cu's records (columns 3-5: wait done, x
     quantized, first unit; 7: x's first round of loads quantized; 8: the next unit's loads
@@ -431,7 +441,7 @@ def prologue_report(rec: np.ndarray, kinds: dict[int, str]) -> list[str]:
     ]
     t = rec.astype(np.float64)
     t[rec == 0] = np.nan  # a time not taken (no first round, no next unit)
-    names = np.array([kinds.get(int(p), hex(int(p))) for p in rec[:, 0]])
+    names = _kind_names(rec, kinds)
     for kind in dict.fromkeys(names.tolist()):
         r = t[names == kind]
         parts = (r[:, 7] - r[:, 3], r[:, 4] - r[:, 7], r[:, 8] - r[:, 4], r[:, 5] - r[:, 8])
@@ -451,7 +461,7 @@ def ring_wait_report(rec: np.ndarray, kinds: dict[int, str]) -> list[str]:
         "ring phase | phases | x quantized->done | warp 0 waited for bytes"
         " | producer waited for slots (us, medians)"
     ]
-    names = np.array([kinds.get(int(p), hex(int(p))) for p in rec[:, 0]])
+    names = _kind_names(rec, kinds)
     n_blocks = len(set((rec[:, 1] & 0xFFFFFF).tolist()))
     for kind in dict.fromkeys(names.tolist()):
         r = rec[names == kind].astype(np.float64)
@@ -484,7 +494,7 @@ def _trace_lines(rec: np.ndarray, kinds: dict[int, str], show: int) -> list[str]
     prev_end = None
     for i, ptr in enumerate(order):
         t = times[rec[:, 0] == ptr]
-        kind = kinds.get(int(ptr), hex(int(ptr)))
+        kind = _kind_of(ptr, kinds)
         med = np.nanmedian(t, axis=0)
         gap = np.nan if prev_end is None else med[1] - prev_end
         per_kind.setdefault(kind, []).append(
