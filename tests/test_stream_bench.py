@@ -87,3 +87,22 @@ def test_burst_bench_times_every_case_on_a_gpu():
     assert len(rows) == len(burst_cases())
     for label, med, p90 in rows:
         assert 0 < med <= p90 < 1e4, label  # microseconds: a load takes some, none hangs
+
+
+def test_x_push_cases_compare_x_loaded_with_x_brought_by_a_neighbour():
+    from picollama.backends.cuda.stream_bench import x_push_cases
+
+    cases = x_push_cases()
+    assert {c["mode"] for c in cases} == {0, 1, 2}  # itself, an idle neighbour, a busy one
+    assert all(1 <= c["units"] <= 4 for c in cases)  # the kernel's XB_UNITS registers
+    assert len({tuple(sorted(c.items())) for c in cases}) == len(cases)
+
+
+def test_x_push_bench_times_both_blocks_of_every_case_on_a_gpu():
+    _gpu()
+    from picollama.backends.cuda.stream_bench import x_push_bench, x_push_cases
+
+    rows = list(x_push_bench(mib=256))
+    assert len(rows) == 2 * len(x_push_cases())  # rank 1's figure, then rank 0's
+    for label, med, p90 in rows:
+        assert 0 < med <= p90 < 1e8, label  # cycles: every wait ended (a lost push traps)

@@ -45,6 +45,8 @@ __all__ = [
     "phase_plan",
     "stream_bench",
     "x_behind_bench",
+    "x_push_bench",
+    "x_push_cases",
 ]
 
 STREAM_SRC = (
@@ -170,6 +172,93 @@ extern "C" __global__ void x_behind(const uint4* __restrict__ w, u64 w16,
     for (int i = 0; i < 4 * XB_UNITS; i++) acc ^= fold(r[i]);
     if (lane == 0) lat[gw] = (u32)(t1 - t0);
     if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+// x for a block whose warps have weights in flight, in clusters of two blocks (one an SM):
+// rank 1's warps send `units` units of 2 KB ahead (into registers, as x_behind's mode 0) and
+// then need 16 bytes a lane of x (in L2). mode 0: rank 1 loads its x itself (rank 0 loads
+// its own too, with nothing ahead of it); mode 1: rank 0, with nothing in flight, loads rank
+// 1's x and stores it into rank 1's shared memory (st.shared::cluster), each lane arriving
+// on rank 1's barrier for that warp; mode 2: as 1, but rank 0 first sends its own units
+// after the x load (x first, then weights, on the pushing SM). lat[0 .. n): rank 1's
+// cycles from its units issued to x in use; lat[n .. 2n): rank 0's from its x load's issue
+// to x in use. The question: does x wait behind the weights of its own SM (then a
+// neighbour with nothing in flight can bring it sooner) or behind everyone's?
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+                 ::: "memory");
+}
+__device__ __forceinline__ uint4 ld_cg16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+extern "C" __global__ void __cluster_dims__(2, 1, 1)
+x_push(const uint4* __restrict__ w, u64 w16, const uint4* __restrict__ x, int mode, int units,
+       u32* lat, u32* out) {
+    __shared__ __align__(16) uint4 xs[16 * 32];
+    __shared__ __align__(8) u64 bar[16];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const u64 n_gw = (u64)(gridDim.x >> 1) * W, gw = (u64)(blockIdx.x >> 1) * W + warp;
+    if (lane == 0) bar_init(&bar[warp], 32);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    cluster_sync();
+    auto unit_at = [&](int u) { return ((u * n_gw + gw + rank * 7919) * 128) % (w16 - 128); };
+    uint4 r[4 * XB_UNITS];
+#pragma unroll
+    for (int i = 0; i < 4 * XB_UNITS; i++) r[i] = make_uint4(0, 0, 0, 0);
+    const uint4* xp = x + gw * 32 + lane;
+    u64 t0, t1;
+    uint4 v;
+    auto send_units = [&]() {
+#pragma unroll
+        for (int u = 0; u < XB_UNITS; u++)
+            if (u < units)
+#pragma unroll
+                for (int q = 0; q < 4; q++) r[4 * u + q] = __ldg(w + unit_at(u) + 32 * q + lane);
+    };
+    if (rank == 1 || mode == 0) {
+        if (rank == 1) send_units();
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
+        if (rank == 1 && mode != 0) {
+            const u32 a = smem_u32(&bar[warp]);
+            u32 done;
+            WaitBound bound;
+            do {
+                bound.tick();
+                asm volatile(
+                    "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, "
+                    "[%1], 0; selp.u32 %0, 1, 0, p; }"
+                    : "=r"(done) : "r"(a) : "memory");
+            } while (!done);
+            v = xs[warp * 32 + lane];
+        } else {
+            v = ld_cg16(xp);
+        }
+    } else {  // rank 0 brings rank 1's x
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
+        v = ld_cg16(xp + n_gw * 32);
+        if (mode == 2) send_units();
+        u32 dst, b;
+        const u32 mine = smem_u32(&xs[warp * 32 + lane]);
+        asm volatile("mapa.shared::cluster.u32 %0, %1, 1;" : "=r"(dst) : "r"(mine));
+        asm volatile("mapa.shared::cluster.u32 %0, %1, 1;" : "=r"(b) : "r"(smem_u32(&bar[warp])));
+        asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};"
+                     :: "r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+        asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(b)
+                     : "memory");
+    }
+    asm volatile("add.u32 %0, %0, 1;" : "+r"(v.x)::"memory");  // x in use
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t1)::"memory");
+    u32 acc = fold(v);
+#pragma unroll
+    for (int i = 0; i < 4 * XB_UNITS; i++) acc ^= fold(r[i]);
+    if (lane == 0) lat[(1 - rank) * n_gw + gw] = (u32)(t1 - t0);
+    if (acc == 0x9e3779b9u) out[0] = acc;
+    cluster_sync();  // rank 1's shared memory stays until every store into it is done
 }
 
 // A launch's first loads, as a decode matvec's preload sends them: each warp sends `units`
@@ -480,6 +569,46 @@ def x_behind_bench(mib: int = 1024):
                 yield label, float(np.median(c)), float(np.percentile(c, 90))
 
 
+def x_push_cases() -> list[dict]:
+    """x_push_bench's cases: how rank 1 of a cluster of two gets its x, and the units of
+    weights its warps have in flight ahead of it."""
+    return [{"mode": mode, "units": units} for mode in (0, 1, 2) for units in (1, 2, 4)]
+
+
+def x_push_bench(mib: int = 1024):
+    """Yield (label, median, 90th percentile) clock cycles until a warp whose SM has weights
+    in flight has its x: loaded itself, or brought into its shared memory by the other block
+    of its cluster of two, which has nothing in flight (or sends its own weights after x);
+    and the bringing block's own x load (its SM's x with nothing ahead of it)."""
+    cp, mod, n_sm, _, w, out = _setup(mib)
+    kernel = mod.get_function("x_push")
+    warps, grid = 16, n_sm // 2 * 2
+    x = cp.ones((grid * warps * 32 * 4,), dtype=cp.float32)
+    lat = cp.zeros((grid * warps,), dtype=cp.uint32)
+    n = grid // 2 * warps
+    how = (
+        "loads its own x",
+        "gets x from an idle neighbour",
+        "gets x from a neighbour (x, then its units)",
+    )
+    for c in x_push_cases():
+        x += 1  # written just before, as a producer kernel leaves it: in L2
+        args = (w, np.uint64(w.size // 16), x, np.int32(c["mode"]), np.int32(c["units"]), lat, out)
+        kernel((grid,), (32 * warps,), args)
+        cp.cuda.runtime.deviceSynchronize()
+        got = cp.asnumpy(lat).astype(np.float64)
+        ahead = f"{c['units']} units a warp ahead"
+        yield (
+            f"rank 1 ({ahead}) {how[c['mode']]}",
+            float(np.median(got[:n])),
+            float(np.percentile(got[:n], 90)),
+        )
+        mine = "its own x, nothing ahead" if c["mode"] == 0 else "rank 1's x"
+        if c["mode"] == 2:
+            mine += f", its {c['units']} units after"
+        yield f"  rank 0 loads {mine}", float(np.median(got[n:])), float(np.percentile(got[n:], 90))
+
+
 def burst_cases() -> list[dict]:
     """burst_bench's cases: warps a block (one block an SM), units a warp at once, units
     streamed before them."""
@@ -616,12 +745,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer bulk-copy cases")
     p.add_argument("--phases", action="store_true", help="only the phase ring (8B layers)")
     p.add_argument("--burst", action="store_true", help="only a launch's first loads")
+    p.add_argument("--push", action="store_true", help="only x brought by a cluster neighbour")
     args = p.parse_args(argv)
     try:
         import cupy  # noqa: F401
     except ImportError:
         print("stream_bench needs CuPy and an NVIDIA GPU", file=sys.stderr)
         return 2
+    for label, med, p90 in x_push_bench(args.mib):
+        print(f"x: {med:7.0f} cycles median, {p90:7.0f} p90  {label}", flush=True)
+    if args.push:
+        return 0
     for label, med, p90 in burst_bench(args.mib):
         print(f"first units: {med:6.2f} us median, {p90:6.2f} p90  {label}", flush=True)
     if args.burst:
