@@ -95,6 +95,7 @@ def test_x_push_cases_compare_x_loaded_with_x_brought_by_a_neighbour():
     cases = x_push_cases()
     assert {c["mode"] for c in cases} == {0, 1, 2}  # itself, an idle neighbour, a busy one
     assert all(1 <= c["units"] <= 4 for c in cases)  # the kernel's XB_UNITS registers
+    assert {c["delay"] for c in cases if c["mode"] == 0} > {0}  # x behind units in flight
     assert len({tuple(sorted(c.items())) for c in cases}) == len(cases)
 
 

@@ -180,7 +180,9 @@ extern "C" __global__ void x_behind(const uint4* __restrict__ w, u64 w16,
 // its own too, with nothing ahead of it); mode 1: rank 0, with nothing in flight, loads rank
 // 1's x and stores it into rank 1's shared memory (st.shared::cluster), each lane arriving
 // on rank 1's barrier for that warp; mode 2: as 1, but rank 0 first sends its own units
-// after the x load (x first, then weights, on the pushing SM). lat[0 .. n): rank 1's
+// after the x load (x first, then weights, on the pushing SM). With `delay`, rank 0 spins
+// that many cycles first, so that its x goes out behind the other SMs' units already in
+// flight rather than beside them. lat[0 .. n): rank 1's
 // cycles from its units issued to x in use; lat[n .. 2n): rank 0's from its x load's issue
 // to x in use. The question: does x wait behind the weights of its own SM (then a
 // neighbour with nothing in flight can bring it sooner) or behind everyone's?
@@ -196,7 +198,7 @@ __device__ __forceinline__ uint4 ld_cg16(const void* p) {
 }
 extern "C" __global__ void __cluster_dims__(2, 1, 1)
 x_push(const uint4* __restrict__ w, u64 w16, const uint4* __restrict__ x, int mode, int units,
-       u32* lat, u32* out) {
+       u64 delay, u32* lat, u32* out) {
     __shared__ __align__(16) uint4 xs[16 * 32];
     __shared__ __align__(8) u64 bar[16];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
@@ -220,6 +222,13 @@ x_push(const uint4* __restrict__ w, u64 w16, const uint4* __restrict__ x, int mo
 #pragma unroll
                 for (int q = 0; q < 4; q++) r[4 * u + q] = __ldg(w + unit_at(u) + 32 * q + lane);
     };
+    if (rank == 0 && delay) {
+        u64 s0, t;
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(s0)::"memory");
+        do {
+            asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+        } while (t - s0 < delay);
+    }
     if (rank == 1 || mode == 0) {
         if (rank == 1) send_units();
         asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
@@ -572,7 +581,12 @@ def x_behind_bench(mib: int = 1024):
 def x_push_cases() -> list[dict]:
     """x_push_bench's cases: how rank 1 of a cluster of two gets its x, and the units of
     weights its warps have in flight ahead of it."""
-    return [{"mode": mode, "units": units} for mode in (0, 1, 2) for units in (1, 2, 4)]
+    return [
+        {"mode": mode, "units": units, "delay": delay}
+        for mode in (0, 1, 2)
+        for units in (1, 2, 4)
+        for delay in ((0, 1000, 3000) if mode == 0 else (0,))
+    ]
 
 
 def x_push_bench(mib: int = 1024):
@@ -593,7 +607,8 @@ def x_push_bench(mib: int = 1024):
     )
     for c in x_push_cases():
         x += 1  # written just before, as a producer kernel leaves it: in L2
-        args = (w, np.uint64(w.size // 16), x, np.int32(c["mode"]), np.int32(c["units"]), lat, out)
+        ints = (np.int32(c["mode"]), np.int32(c["units"]), np.uint64(c["delay"]))
+        args = (w, np.uint64(w.size // 16), x, *ints, lat, out)
         kernel((grid,), (32 * warps,), args)
         cp.cuda.runtime.deviceSynchronize()
         got = cp.asnumpy(lat).astype(np.float64)
@@ -604,6 +619,8 @@ def x_push_bench(mib: int = 1024):
             float(np.percentile(got[:n], 90)),
         )
         mine = "its own x, nothing ahead" if c["mode"] == 0 else "rank 1's x"
+        if c["delay"]:
+            mine += f", {c['delay']} cycles after rank 1's units went out"
         if c["mode"] == 2:
             mine += f", its {c['units']} units after"
         yield f"  rank 0 loads {mine}", float(np.median(got[n:])), float(np.percentile(got[n:], 90))
