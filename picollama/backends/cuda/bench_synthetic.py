@@ -412,30 +412,10 @@ def trace_step(path: str, show: int = 10) -> list[str]:
         for mv, ringed in [(launch, False)] + [(c, True) for c in getattr(launch, "chain", ())]:
             if isinstance(mv, _Matvec):
                 kinds[int(mv.weights[0].buf.data.ptr)] = ("ring: " if ringed else "") + name(mv)
-    rec, pro = np.concatenate(rows), np.concatenate(prologues)
-    if layout.define_value("MVQ_PUSH", 0):  # each kind by the block's rank in its cluster
-        rec, pro, kinds = _by_rank(rec, kinds), _by_rank(pro, kinds), _rank_kinds(kinds)
-    out = trace_report(rec, kinds, show)
-    out += prologue_report(pro, kinds)
+    out = trace_report(np.concatenate(rows), kinds, show)
+    out += prologue_report(np.concatenate(prologues), kinds)
     if waits is not None and len(waits):
         out += ring_wait_report(waits, kinds)
-    return out
-
-
-def _by_rank(rec: np.ndarray, kinds: dict[int, str]) -> np.ndarray:
-    """mmvq.cu's records with the first column of rank 0's blocks (even blocks of a cluster
-    of two, MVQ_PUSH) moved by one byte, so that each rank is a kind of its own."""
-    rec = rec.copy()
-    even = (rec[:, 1] & 0xFFFF) % 2 == 0
-    known = np.isin(rec[:, 0], np.array(list(kinds), dtype=np.uint64))
-    rec[even & known, 0] += np.uint64(1)
-    return rec
-
-
-def _rank_kinds(kinds: dict[int, str]) -> dict[int, str]:
-    """``kinds`` for ``_by_rank``'s records: each kind as rank 1's and, a byte on, rank 0's."""
-    out = {p: f"{k} (rank 1)" for p, k in kinds.items()}
-    out.update({p + 1: f"{k} (rank 0)" for p, k in kinds.items()})
     return out
 
 

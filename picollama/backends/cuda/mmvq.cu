@@ -198,50 +198,6 @@ __device__ __forceinline__ u32 spread4_bit4(u32 b) { return ((b * 0x00204081u) &
 #endif
 __device__ __forceinline__ int4 ld_x16(const signed char* p) { return *(const int4*)XSWZ(p); }
 
-// MVQ_PUSH (one token, Q4_K and Q6_K; off by default): the one-token kernels run in clusters
-// of two blocks (two SMs). An x load waits behind the weights its own SM has in flight
-// (stream_bench --push: ~400 cycles on an SM with nothing ahead while the others stream,
-// 1500-3000 behind one to four units a warp), so rank 0 sends no preload: after the
-// dependent-launch wait it loads and quantizes x with nothing ahead of it, copies the codes,
-// scales and half sums into rank 1's shared memory (one bulk copy, counted on rank 1's
-// barrier) and only then sends its first unit; rank 1 preloads as ever and takes x from
-// there instead of loading it. Cluster barriers: phase 1 (at entry) says rank 1's barrier
-// is set up; phase 2 (rank 1 arrives once x has landed, rank 0 waits at its end) keeps
-// rank 0's copy of x alive until it has been read. Same codes, same sums: bit for bit the
-// kernels without it. MVQ_PUSH=2: rank 0 sends its first unit as soon as its last round of
-// x's loads is out (behind them), not after the copy.
-#ifndef MVQ_PUSH
-#define MVQ_PUSH 0
-#endif
-#if !(defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K))
-#undef MVQ_PUSH
-#define MVQ_PUSH 0
-#endif
-#if MVQ_PUSH
-#define MVQ_CLUSTER __cluster_dims__(2, 1, 1)
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ u32 cluster_addr(const void* p, u32 rank) {
-    u32 a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
-    return a;
-}
-__device__ __forceinline__ void cluster_arrive_release() {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-#else
-#define MVQ_CLUSTER
-#endif
-
 // element i of a field of sz-byte elements: one wide multiply-add (IMAD.WIDE.U32). The
 // kernels count a weight's chunks and blocks in 32 bits (a weight of fewer than 2^32
 // chunks: 2^36 weights and more for every type here)
@@ -757,7 +713,7 @@ __device__ __forceinline__ void quantize4(float4 v, int i4, bool in, signed char
 }
 
 // W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS)
-template <int NT, int XB, bool ROPE, int W, bool PUSH = false>
+template <int NT, int XB, bool ROPE, int W>
 __device__ __forceinline__ void mvq_body(
     const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
     int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
@@ -822,21 +778,6 @@ __device__ __forceinline__ void mvq_body(
     };
 
     pdl_trigger_at(0, pdl_at);
-#if MVQ_PUSH
-    __shared__ __align__(8) unsigned long long push_bar[1];  // rank 1: x has landed
-    const u32 rank = PUSH ? cluster_rank() : 1u;
-    const u32 x_bytes = (u32)k + 12u * (u32)nb32;  // codes, scales, half sums (one token)
-    if constexpr (PUSH) {
-        if (threadIdx.x == 0 && rank == 1) {
-            bar_init(&push_bar[0], 1);
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-            bar_expect(&push_bar[0], x_bytes);
-        }
-        cluster_arrive_release();  // phase 1, before any load is in flight
-    }
-#else
-    constexpr u32 rank = 1;
-#endif
     // The weights are constant, so the first job's first iteration of loads goes out now,
     // into registers, while x is read and quantized (and, with dependent launches, while the
     // kernel before still runs). (An L2 prefetch of the warp's first rows besides, 2 or 8 KB
@@ -844,11 +785,10 @@ __device__ __forceinline__ void mvq_body(
     QD::Raw pa[QD::UNROLL], pb[QD::UNROLL];
     // (one token only: with NT rows of x the registers would spill)
     const bool have_first = MVQ_PRELOAD && NT == 1 && row_first < n_jobs;
-    auto preload = [&]() {
+    if (have_first) {
         Job jb = job_at(row_first);
         load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
-    };
-    if (have_first && (!PUSH || rank == 1)) preload();
+    }
     if constexpr (ROPE) {
         // every pair's angle, with rope_head's float32 operations (ops.cu), before the dots:
         // not on the critical path of each pair's epilogue. The position was copied to the
@@ -869,8 +809,7 @@ __device__ __forceinline__ void mvq_body(
     // in its first round, so the norm costs no round trip and no block barrier of its own
     // (not in the wide-x kernel, XB 4, whose registers it would spill: no normed x is wide)
     const bool ssq = NT == 1 && XB <= 2 && norm && ssq_in != nullptr;
-    const bool load_x = !PUSH || rank == 0;
-    if (norm && !ssq && load_x) {
+    if (norm && !ssq) {
         for (int t = 0; t < n; t++) {
             const float4* xt = (const float4*)(x + (i64)t * k);
             double acc = 0.0;
@@ -889,7 +828,7 @@ __device__ __forceinline__ void mvq_body(
     // of XB rounds are issued before the first is used (wide x: one latency, not XB).
     int n4 = n * k / 4;
     float ssq_scale = 0.f;
-    for (int base0 = 0; load_x && base0 < n4; base0 += XB * W * 32) {
+    for (int base0 = 0; base0 < n4; base0 += XB * W * 32) {
         float4 xv[XB], gv[XB];
         double sl[MVQ_SSQ_MAX / 32];
         if (ssq && base0 == 0) {  // issued before x's loads, added after (one round trip)
@@ -909,10 +848,6 @@ __device__ __forceinline__ void mvq_body(
             if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
             if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
         }
-#if MVQ_PUSH == 2
-        // rank 0 sends its first unit once its last round of x is on its way (behind it)
-        if (PUSH && have_first && base0 + XB * W * 32 >= n4) preload();
-#endif
         if (ssq && base0 == 0) {  // the same sum, bit for bit, in every lane of every block
             double v = 0.0;
 #pragma unroll
@@ -930,31 +865,7 @@ __device__ __forceinline__ void mvq_body(
         }
         MVQ_TR_X1();
     }
-#if MVQ_PUSH
-    if constexpr (PUSH) {  // rank 0's codes, written by every thread, then read by a bulk copy
-        if (rank == 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    }
-#endif
     __syncthreads();
-#if MVQ_PUSH
-    if constexpr (PUSH) {
-        cluster_wait();  // phase 1: rank 1's barrier is set
-        if (rank == 0) {
-            if (threadIdx.x == 0) {
-                asm volatile(
-                    "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes "
-                    "[%0], [%1], %2, [%3];"
-                    ::"r"(cluster_addr(mvq_smem, 1)), "r"(smem_u32(mvq_smem)), "r"(x_bytes),
-                      "r"(cluster_addr(&push_bar[0], 1))
-                    : "memory");
-            }
-            if (have_first && MVQ_PUSH == 1) preload();
-        } else {
-            bar_wait(&push_bar[0], 0);
-            cluster_arrive_relaxed();  // phase 2: rank 0's copy may go
-        }
-    }
-#endif
     MVQ_TR(tr_2);
 
     XQ x0 = {sq, sd, ss};
@@ -1030,17 +941,6 @@ __device__ __forceinline__ void mvq_body(
             }
         }
     };
-    // MVQ_PUSH: rank 0 ends after rank 1 has its x (phase 2; rank 1 arrived, never waits)
-    auto push_end = [&]() {
-#if MVQ_PUSH
-        if constexpr (PUSH) {
-            if (rank == 0) {
-                cluster_arrive_relaxed();
-                cluster_wait();
-            }
-        }
-#endif
-    };
     // a row's chunks are whole iterations (row_dot2's ALL, with both rows of a job)
     const bool whole = cpr % (32 * QD::UNROLL) == 0;
     // f(BoolC<ALL>) for job jb: ALL where both its rows are there and whole iterations
@@ -1106,7 +1006,6 @@ __device__ __forceinline__ void mvq_body(
         ssq_epilogue();
         MVQ_TR_END();
         pdl_trigger_at(2, pdl_at);
-        push_end();
         return;
     }
 #endif
@@ -1120,7 +1019,6 @@ __device__ __forceinline__ void mvq_body(
     ssq_epilogue();
     MVQ_TR_END();
     pdl_trigger_at(2, pdl_at);
-    push_end();
 }
 
 #ifndef RING_BUILD  // ring.cu builds the code above without the kernels
@@ -1153,8 +1051,8 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8_4(MVQ_PAR
     mvq_body<4, 1, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
-extern "C" __global__ void MVQ_CLUSTER __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1(MVQ_PARAMS) {
-    mvq_body<1, 1, false, MVQ_WARPS, MVQ_PUSH != 0>(MVQ_ARGS);
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1(MVQ_PARAMS) {
+    mvq_body<1, 1, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 #if MVQ_SMALL_WARPS < MVQ_WARPS
@@ -1169,12 +1067,12 @@ extern "C" __global__ void __launch_bounds__(MVQ_SMALL_WARPS * 32, MVQ_SMALL_BLO
 
 // one token of a wide x (the feed-forward's down matrix): x's loads four rounds at a time, in
 // a kernel of its own so that the registers this takes don't weigh on the others
-extern "C" __global__ void MVQ_CLUSTER __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_wide(MVQ_PARAMS) {
-    mvq_body<1, 4, false, MVQ_WARPS, MVQ_PUSH != 0>(MVQ_ARGS);
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_wide(MVQ_PARAMS) {
+    mvq_body<1, 4, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 // one token's Q, K and V with RoPE and the KV cache write (ROPE above)
-extern "C" __global__ void MVQ_CLUSTER __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
-    mvq_body<1, 1, true, MVQ_WARPS, MVQ_PUSH != 0>(MVQ_ARGS);
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
+    mvq_body<1, 1, true, MVQ_WARPS>(MVQ_ARGS);
 }
 #endif  // RING_BUILD
