@@ -107,3 +107,22 @@ def test_x_push_bench_times_both_blocks_of_every_case_on_a_gpu():
     assert len(rows) == 2 * len(x_push_cases())  # rank 1's figure, then rank 0's
     for label, med, p90 in rows:
         assert 0 < med <= p90 < 1e8, label  # cycles: every wait ended (a lost push traps)
+
+
+def test_x_bcast_cases_read_x_three_ways_at_both_widths():
+    from picollama.backends.cuda.stream_bench import x_bcast_cases
+
+    cases = x_bcast_cases()
+    assert {c["mode"] for c in cases} == {0, 1, 2}  # shared, own copies, multicast
+    for c in cases:  # a quarter of x a multicast copy: whole 16-byte pieces
+        assert (c["xw"] * 4 // 4) % 16 == 0 and c["xw"] * 4 <= 227 * 1024
+
+
+def test_x_bcast_bench_times_every_case_on_a_gpu():
+    _gpu()
+    from picollama.backends.cuda.stream_bench import x_bcast_bench, x_bcast_cases
+
+    rows = list(x_bcast_bench(mib=256))
+    assert len(rows) == len(x_bcast_cases())
+    for label, med, p90 in rows:
+        assert 0 < med <= p90 < 1e4, label  # microseconds: every copy landed

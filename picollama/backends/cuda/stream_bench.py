@@ -44,6 +44,8 @@ __all__ = [
     "phase_cases",
     "phase_plan",
     "stream_bench",
+    "x_bcast_bench",
+    "x_bcast_cases",
     "x_behind_bench",
     "x_push_bench",
     "x_push_cases",
@@ -270,6 +272,92 @@ x_push(const uint4* __restrict__ w, u64 w16, const uint4* __restrict__ x, int mo
     cluster_sync();  // rank 1's shared memory stays until every store into it is done
 }
 
+// x into every block's shared memory, as each one-token matvec reads it after its wait: one
+// block an SM, 16 warps, xw floats of x (in L2). Every warp first sends `units` units of
+// 3 KB of weights (a preload in flight). x_bcast, mode 0: every block loads the same x
+// (each line asked for by every SM at once), float4 a thread a round, all rounds in
+// flight; mode 1: block b loads its own copy at x + b xw (no line shared). x_mcast
+// (clusters of four): x read once a cluster, each block sending a quarter of it into all
+// four blocks' shared memory by one multicast bulk copy. lat[block]: cycles from the
+// block's start to all of x in its shared memory.
+extern "C" __global__ void x_bcast(const uint4* __restrict__ w, u64 w16,
+                                   const float* __restrict__ x, int xw, int mode, int units,
+                                   u32* lat, u32* out) {
+    extern __shared__ __align__(128) float xs[];  // xw floats
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+    const u64 gw = (u64)blockIdx.x * W + warp, n_gw = (u64)gridDim.x * W;
+    uint4 r[6];
+    for (int i = 0; i < 6; i++) r[i] = make_uint4(0, 0, 0, 0);
+    __syncthreads();
+    u64 t0, t1;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
+    if (units)
+#pragma unroll
+        for (int v = 0; v < 6; v++) r[v] = __ldg(w + (gw * 192) % (w16 - 192) + 32 * v + lane);
+    const float4* src = (const float4*)(x + (mode == 1 ? (u64)blockIdx.x * xw : 0));
+    float4 v[4];
+    const int n4 = xw / 4;
+    for (int i0 = 0; i0 < n4; i0 += 4 * (int)blockDim.x) {
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + u * blockDim.x + threadIdx.x;
+            if (i < n4) v[u] = __ldg(src + i);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + u * blockDim.x + threadIdx.x;
+            if (i < n4) ((float4*)xs)[i] = v[u];
+        }
+    }
+    __syncthreads();
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t1)::"memory");
+    u32 acc = __float_as_uint(xs[(threadIdx.x * 7) % xw]);
+    for (int i = 0; i < 6; i++) acc ^= fold(r[i]);
+    if (threadIdx.x == 0) lat[blockIdx.x] = (u32)(t1 - t0);
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+extern "C" __global__ void __cluster_dims__(4, 1, 1)
+x_mcast(const uint4* __restrict__ w, u64 w16, const float* __restrict__ x, int xw, int mode,
+        int units, u32* lat, u32* out) {
+    extern __shared__ __align__(128) float xs[];  // xw floats
+    __shared__ __align__(8) u64 bar;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+    const u64 gw = (u64)blockIdx.x * W + warp;
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const u32 q = (u32)xw;  // bytes a quarter: xw / 4 floats
+    if (threadIdx.x == 0) {
+        bar_init(&bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        bar_expect(&bar, 4 * q);
+    }
+    cluster_sync();
+    uint4 r[6];
+    for (int i = 0; i < 6; i++) r[i] = make_uint4(0, 0, 0, 0);
+    u64 t0, t1;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
+    if (units)
+#pragma unroll
+        for (int v = 0; v < 6; v++) r[v] = __ldg(w + (gw * 192) % (w16 - 192) + 32 * v + lane);
+    if (threadIdx.x == 0) {
+        const unsigned short mask = 0xF;
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+            " [%0], [%1], %2, [%3], %4;"
+            ::"r"(smem_u32((const char*)xs + rank * q)), "l"((const char*)x + rank * q), "r"(q),
+              "r"(smem_u32(&bar)), "h"(mask)
+            : "memory");
+    }
+    bar_wait(&bar, 0);
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t1)::"memory");
+    u32 acc = __float_as_uint(xs[(threadIdx.x * 7) % xw]);
+    for (int i = 0; i < 6; i++) acc ^= fold(r[i]);
+    if (threadIdx.x == 0) lat[blockIdx.x] = (u32)(t1 - t0);
+    if (acc == 0x9e3779b9u) out[0] = acc;
+    cluster_sync();  // no block ends while a copy into it may still be on its way
+}
+
 // A launch's first loads, as a decode matvec's preload sends them: each warp sends `units`
 // units of 3 KB (6 x 16 bytes a lane) at once and waits for all of them; lat[warp]: clock
 // cycles from the first load's issue to the last unit's bytes in use. With `steady` > 0 the
@@ -492,6 +580,14 @@ def _setup(mib: int):
     return cp, mod, n_sm, optin, buf, out
 
 
+def _sm_ghz(cp, mod, out) -> float:
+    """The SM clock's rate now (GHz): a kernel that spins for a known number of cycles,
+    timed by events."""
+    cycles = 20_000_000  # ~10 ms
+    spin = partial(mod.get_function("spin"), (1,), (1,), (np.uint64(cycles), out))
+    return cycles / _median_s(cp, spin, 3) / 1e9
+
+
 def _median_s(cp, run, reps: int, setup=None) -> float:
     """Median seconds of ``reps`` calls of run(), each timed by events on the device, after
     one untimed call; setup(), if given, runs before each call, untimed."""
@@ -626,6 +722,46 @@ def x_push_bench(mib: int = 1024):
         yield f"  rank 0 loads {mine}", float(np.median(got[n:])), float(np.percentile(got[n:], 90))
 
 
+def x_bcast_cases() -> list[dict]:
+    """x_bcast_bench's cases: x's width (the 8B's 4096 and 14336), how the blocks get it,
+    and whether a unit of weights a warp is in flight ahead of it."""
+    return [
+        {"xw": xw, "mode": mode, "units": units}
+        for xw in (4096, 14336)
+        for units in (0, 1)
+        for mode in (0, 1, 2)
+    ]
+
+
+def x_bcast_bench(mib: int = 1024):
+    """Yield (label, median, 90th percentile) microseconds until a block has all of x in its
+    shared memory: every SM loading the same x, each its own copy, or x read once by each
+    cluster of four and multicast into its blocks."""
+    cp, mod, n_sm, _, w, out = _setup(mib)
+    kernels = {0: mod.get_function("x_bcast"), 1: mod.get_function("x_bcast"),
+               2: mod.get_function("x_mcast")}  # fmt: skip
+    ghz = _sm_ghz(cp, mod, out)
+    grid = n_sm // 4 * 4
+    lat = cp.zeros((grid,), dtype=cp.uint32)
+    widest = max(c["xw"] for c in x_bcast_cases()) * 4
+    for kernel in kernels.values():
+        kernel.max_dynamic_shared_size_bytes = widest
+    how = ("every SM the same x", "each SM its own copy", "once a cluster of 4, multicast")
+    for c in x_bcast_cases():
+        x = cp.ones((grid * c["xw"],), dtype=cp.float32)
+        samples = []
+        for _ in range(3):
+            x += 1  # written just before, as a producer kernel leaves it: in L2
+            args = (w, np.uint64(w.size // 16), x, *map(np.int32, (c["xw"], c["mode"], c["units"])))
+            kernels[c["mode"]]((grid,), (512,), (*args, lat, out), shared_mem=c["xw"] * 4)
+            cp.cuda.runtime.deviceSynchronize()
+            samples.append(cp.asnumpy(lat).astype(np.float64) / ghz / 1e3)
+        us = np.concatenate(samples)
+        ahead = ", a unit a warp in flight" if c["units"] else ""
+        label = f"x of {c['xw']} floats, {how[c['mode']]}{ahead}"
+        yield label, float(np.median(us)), float(np.percentile(us, 90))
+
+
 def burst_cases() -> list[dict]:
     """burst_bench's cases: warps a block (one block an SM), units a warp at once, units
     streamed before them."""
@@ -644,9 +780,7 @@ def burst_bench(mib: int = 1024):
     first unit takes, and whether that grows with the bytes the burst asks for."""
     cp, mod, n_sm, _, w, out = _setup(mib)
     kernel = mod.get_function("burst")
-    cycles = 20_000_000  # ~10 ms: the clock's rate, as the SM runs now
-    spin = partial(mod.get_function("spin"), (1,), (1,), (np.uint64(cycles), out))
-    ghz = cycles / _median_s(cp, spin, 3) / 1e9
+    ghz = _sm_ghz(cp, mod, out)
     w16 = w.size // 16
     region = (64 << 20) // 16  # each launch 64 MiB further on: nothing of it in L2
     launch = 0
@@ -763,12 +897,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", action="store_true", help="only the phase ring (8B layers)")
     p.add_argument("--burst", action="store_true", help="only a launch's first loads")
     p.add_argument("--push", action="store_true", help="only x brought by a cluster neighbour")
+    p.add_argument("--bcast", action="store_true", help="only x read by every SM at once")
     args = p.parse_args(argv)
     try:
         import cupy  # noqa: F401
     except ImportError:
         print("stream_bench needs CuPy and an NVIDIA GPU", file=sys.stderr)
         return 2
+    for label, med, p90 in x_bcast_bench(args.mib):
+        print(f"x in shared memory: {med:6.2f} us median, {p90:6.2f} p90  {label}", flush=True)
+    if args.bcast:
+        return 0
     for label, med, p90 in x_push_bench(args.mib):
         print(f"x: {med:7.0f} cycles median, {p90:7.0f} p90  {label}", flush=True)
     if args.push:
