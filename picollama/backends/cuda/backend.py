@@ -178,7 +178,7 @@ class _Kernels:
     __slots__ = (
         "matvec", "dequant", "dequant_h", "get_rows", "matvec_q8", "matvec_q8_n1", "matvec_q8_wide",
         "matvec_q8_rope", "matvec_q8_small", "mvq_warps", "mvq_small_warps", "matvec_q8_few",
-        "module", "cluster",
+        "module",
     )  # fmt: skip
 
     def __init__(self, matvec, dequant, dequant_h, get_rows):
@@ -193,7 +193,6 @@ class _Kernels:
         # rows of x at most -> the int8 kernel for them (matvec_q8_2, _4; matvec_q8 for 8)
         self.matvec_q8_few: dict[int, object] = {}
         self.module = None  # the RawModule they come from (its globals: diagnostic builds)
-        self.cluster = 1  # blocks a cluster of matvec_q8_n1, _wide and _rope (MVQ_MCAST)
 
 
 class _Launch:
@@ -681,8 +680,6 @@ class CUDABackend(Backend):
                         }
                         # __launch_bounds__(MVQ_WARPS * 32) caps this at the block size
                         kernels.mvq_warps = kernels.matvec_q8_n1.max_threads_per_block // 32
-                        if qtype in (GGMLType.Q4_K, GGMLType.Q6_K):  # mmvq.cu's MVQ_MCAST
-                            kernels.cluster = max(1, layout.define_value("MVQ_MCAST", 1))
                         try:  # built only where its blocks are the smaller (Q4_K, Q6_K)
                             small = mod.get_function("matvec_q8_n1_small")
                         except cp.cuda.driver.CUDADriverError:
@@ -1748,15 +1745,8 @@ class CUDABackend(Backend):
             65536 // (regs * threads),
             self._smem_per_sm // max(smem + 1024, 1),
         )
-        n_blocks = max(1, min(-(-rows // rows_per_block), self._n_sm * max(1, per_sm)))
-        if (
-            mv.q8
-            and kernels.cluster > 1
-            and kernel in (kernels.matvec_q8_n1, kernels.matvec_q8_wide, kernels.matvec_q8_rope)
-        ):  # whole clusters (a block past the rows still sends its part of x), x in floats too
-            n_blocks = -(-n_blocks // kernels.cluster) * kernels.cluster
-            smem = -(-smem // 128) * 128 + 8 * k
-        grid = (n_blocks,)
+        n_blocks = min((rows + rows_per_block - 1) // rows_per_block, self._n_sm * max(1, per_sm))
+        grid = (max(1, n_blocks),)
         if mv.q8:
             if mv.ssq_out is not None:  # the blocks' partial sums, for the reader after this
                 mv.ssq_out.n = n_blocks if n == 1 and n_blocks <= _MVQ_SSQ_MAX else 0

@@ -205,8 +205,8 @@ def quant_source(qtype: GGMLType) -> str:
         _read("common.cuh"),
         _read("quant.cu"),
     ]
-    if qtype in Q8DOT_TYPES:  # (bulk.cuh: the barriers of MVQ_MCAST)
-        parts += [_read("bulk.cuh"), _read("mmvq.cu")]
+    if qtype in Q8DOT_TYPES:
+        parts.append(_read("mmvq.cu"))
     return "\n".join(parts)
 
 

@@ -198,52 +198,6 @@ __device__ __forceinline__ u32 spread4_bit4(u32 b) { return ((b * 0x00204081u) &
 #endif
 __device__ __forceinline__ int4 ld_x16(const signed char* p) { return *(const int4*)XSWZ(p); }
 
-// MVQ_MCAST=C (one token, Q4_K and Q6_K; off by default): the one-token kernels run in
-// clusters of C blocks (2 or 4), and x (with norm_w, for a normed x) is read from L2 once a
-// cluster instead of once a block: block r of the cluster sends the r-th C-th of it into
-// every block's shared memory by one multicast bulk copy, counted on each block's barrier.
-// (Every block reading the same x at once asks each of its lines from L2 132 times.)
-// norm_w, constant, goes before the dependent-launch wait; x right after it. The blocks
-// then quantize x from shared memory as they did from L2: the same codes, bit for bit.
-// Cluster barriers: phase 1 (at entry) says every block's barrier is set up before any copy
-// lands in it; phase 2 (each block arrives once its x has landed, waits at its end) keeps
-// every block until the copies into it are done.
-#ifndef MVQ_MCAST
-#define MVQ_MCAST 1
-#endif
-#if !(defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K))
-#undef MVQ_MCAST
-#define MVQ_MCAST 1
-#endif
-#if MVQ_MCAST > 1
-#define MVQ_CLUSTER __cluster_dims__(MVQ_MCAST, 1, 1)
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_arrive_release() {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// bytes from global src into dst of every block of the cluster, counted on each one's bar
-__device__ __forceinline__ void multicast(void* dst, const void* src, u32 bytes, u64* bar) {
-    const unsigned short mask = (1u << MVQ_MCAST) - 1u;
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1], %2, [%3], %4;"
-        ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "h"(mask)
-        : "memory");
-}
-#else
-#define MVQ_CLUSTER
-#endif
-
 // element i of a field of sz-byte elements: one wide multiply-add (IMAD.WIDE.U32). The
 // kernels count a weight's chunks and blocks in 32 bits (a weight of fewer than 2^32
 // chunks: 2^36 weights and more for every type here)
@@ -759,7 +713,7 @@ __device__ __forceinline__ void quantize4(float4 v, int i4, bool in, signed char
 }
 
 // W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS)
-template <int NT, int XB, bool ROPE, int W, bool MC = false>
+template <int NT, int XB, bool ROPE, int W>
 __device__ __forceinline__ void mvq_body(
     const u8* __restrict__ w0, i64 nb0, int m0, float* y0, const u8* __restrict__ w1, i64 nb1,
     int m1, float* y1, const u8* __restrict__ w2, i64 nb2, int m2, float* y2, int k,
@@ -824,27 +778,6 @@ __device__ __forceinline__ void mvq_body(
     };
 
     pdl_trigger_at(0, pdl_at);
-    // MVQ_MCAST: x (floats) and norm_w after the int8 region, 128-byte aligned
-    float* const xf = (float*)((char*)mvq_smem + ((11 * k / 8 + 127) & ~127));
-    float* const gf = xf + k;
-#if MVQ_MCAST > 1
-    __shared__ __align__(8) unsigned long long mc_bar[1];
-    const u32 mc_part = 4u * (u32)k / MVQ_MCAST;  // bytes a block sends of x (and norm_w)
-    if constexpr (MC) {
-        if (threadIdx.x == 0) {
-            bar_init(&mc_bar[0], 1);
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-            bar_expect(&mc_bar[0], (norm ? 8u : 4u) * (u32)k);
-        }
-        cluster_arrive_release();
-        cluster_wait();  // phase 1: every block's barrier is set
-        if (threadIdx.x == 0 && norm) {
-            const u32 r = cluster_rank();
-            multicast((char*)gf + r * mc_part, (const char*)norm_w + r * mc_part, mc_part,
-                      &mc_bar[0]);
-        }
-    }
-#endif
     // The weights are constant, so the first job's first iteration of loads goes out now,
     // into registers, while x is read and quantized (and, with dependent launches, while the
     // kernel before still runs). (An L2 prefetch of the warp's first rows besides, 2 or 8 KB
@@ -867,16 +800,6 @@ __device__ __forceinline__ void mvq_body(
     pdl_wait();
     MVQ_TR(tr_1);
     pdl_trigger_at(1, pdl_at);
-#if MVQ_MCAST > 1
-    if constexpr (MC) {
-        if (threadIdx.x == 0) {
-            const u32 r = cluster_rank();
-            multicast((char*)xf + r * mc_part, (const char*)x + r * mc_part, mc_part, &mc_bar[0]);
-        }
-        bar_wait(&mc_bar[0], 0);
-        cluster_arrive_relaxed();  // phase 2: every copy into this block has landed
-    }
-#endif
 
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
@@ -892,7 +815,7 @@ __device__ __forceinline__ void mvq_body(
             double acc = 0.0;
 #pragma unroll 4
             for (int j = threadIdx.x; j < k / 4; j += W * 32) {
-                float4 v = MC ? ((const float4*)xf)[j] : __ldg(xt + j);
+                float4 v = __ldg(xt + j);
                 acc += (double)v.x * v.x + (double)v.y * v.y;
                 acc += (double)v.z * v.z + (double)v.w * v.w;
             }
@@ -922,8 +845,8 @@ __device__ __forceinline__ void mvq_body(
             int t = in ? (4 * i4) / k : 0;
             int j = 4 * i4 - t * k;
             xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (in) xv[r] = MC ? *(const float4*)(xf + j) : __ldg((const float4*)(x + (i64)t * k + j));
-            if (in && norm) gv[r] = MC ? *(const float4*)(gf + j) : __ldg((const float4*)(norm_w + j));
+            if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
+            if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
         }
         if (ssq && base0 == 0) {  // the same sum, bit for bit, in every lane of every block
             double v = 0.0;
@@ -1018,12 +941,6 @@ __device__ __forceinline__ void mvq_body(
             }
         }
     };
-    // MVQ_MCAST: a block ends only once every block of its cluster has its x (phase 2)
-    auto mc_end = [&]() {
-#if MVQ_MCAST > 1
-        if constexpr (MC) cluster_wait();
-#endif
-    };
     // a row's chunks are whole iterations (row_dot2's ALL, with both rows of a job)
     const bool whole = cpr % (32 * QD::UNROLL) == 0;
     // f(BoolC<ALL>) for job jb: ALL where both its rows are there and whole iterations
@@ -1089,7 +1006,6 @@ __device__ __forceinline__ void mvq_body(
         ssq_epilogue();
         MVQ_TR_END();
         pdl_trigger_at(2, pdl_at);
-        mc_end();
         return;
     }
 #endif
@@ -1103,7 +1019,6 @@ __device__ __forceinline__ void mvq_body(
     ssq_epilogue();
     MVQ_TR_END();
     pdl_trigger_at(2, pdl_at);
-    mc_end();
 }
 
 #ifndef RING_BUILD  // ring.cu builds the code above without the kernels
@@ -1136,8 +1051,8 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8_4(MVQ_PAR
     mvq_body<4, 1, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
-extern "C" __global__ void MVQ_CLUSTER __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1(MVQ_PARAMS) {
-    mvq_body<1, 1, false, MVQ_WARPS, (MVQ_MCAST > 1)>(MVQ_ARGS);
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1(MVQ_PARAMS) {
+    mvq_body<1, 1, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 #if MVQ_SMALL_WARPS < MVQ_WARPS
@@ -1152,12 +1067,12 @@ extern "C" __global__ void __launch_bounds__(MVQ_SMALL_WARPS * 32, MVQ_SMALL_BLO
 
 // one token of a wide x (the feed-forward's down matrix): x's loads four rounds at a time, in
 // a kernel of its own so that the registers this takes don't weigh on the others
-extern "C" __global__ void MVQ_CLUSTER __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_wide(MVQ_PARAMS) {
-    mvq_body<1, 4, false, MVQ_WARPS, (MVQ_MCAST > 1)>(MVQ_ARGS);
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_wide(MVQ_PARAMS) {
+    mvq_body<1, 4, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 // one token's Q, K and V with RoPE and the KV cache write (ROPE above)
-extern "C" __global__ void MVQ_CLUSTER __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
-    mvq_body<1, 1, true, MVQ_WARPS, (MVQ_MCAST > 1)>(MVQ_ARGS);
+extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
+    mvq_body<1, 1, true, MVQ_WARPS>(MVQ_ARGS);
 }
 #endif  // RING_BUILD
