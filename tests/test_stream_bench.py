@@ -126,3 +126,13 @@ def test_x_bcast_bench_times_every_case_on_a_gpu():
     assert len(rows) == len(x_bcast_cases())
     for label, med, p90 in rows:
         assert 0 < med <= p90 < 1e4, label  # microseconds: every copy landed
+
+
+def test_ksplit_bench_times_the_column_split_and_its_reference_on_a_gpu():
+    _gpu()
+    from picollama.backends.cuda.stream_bench import ksplit_bench
+
+    rows = list(ksplit_bench(mib=256, reps=1))
+    assert len(rows) == 3 and rows[0][0].startswith("the weight streamed whole")
+    for label, us, rate in rows:
+        assert us > 0 and math.isfinite(rate) and rate > 1, label

@@ -37,6 +37,7 @@ __all__ = [
     "STREAM_SRC",
     "burst_bench",
     "burst_cases",
+    "ksplit_bench",
     "bulk_cases",
     "layer_8b",
     "main",
@@ -285,7 +286,7 @@ extern "C" __global__ void x_bcast(const uint4* __restrict__ w, u64 w16,
                                    u32* lat, u32* out) {
     extern __shared__ __align__(128) float xs[];  // xw floats
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
-    const u64 gw = (u64)blockIdx.x * W + warp, n_gw = (u64)gridDim.x * W;
+    const u64 gw = (u64)blockIdx.x * W + warp;
     uint4 r[6];
     for (int i = 0; i < 6; i++) r[i] = make_uint4(0, 0, 0, 0);
     __syncthreads();
@@ -356,6 +357,57 @@ x_mcast(const uint4* __restrict__ w, u64 w16, const float* __restrict__ x, int x
     if (threadIdx.x == 0) lat[blockIdx.x] = (u32)(t1 - t0);
     if (acc == 0x9e3779b9u) out[0] = acc;
     cluster_sync();  // no block ends while a copy into it may still be on its way
+}
+
+// A matvec's columns split over the blocks, as a split-K fold of ffn_down into the launch
+// that makes its input would read it: a Q4_K weight of `rows` rows of nsb blocks, field-major
+// as the device keeps it (d, dmin and scales 16 bytes a block, then the codes 128 bytes a
+// block, from the next 256-byte boundary); block s takes half s % 2 of column block s / 2
+// of every row (the block's 16 bytes of scales and 64 of its codes), one row a thread at a
+// time, two in flight; ~the int8 dot's dp4a a 16 bytes. mode 0: each row's sum goes
+// nowhere; 1: it is added into acc[row] by a 64-bit integer atomic (red.global.add.u64),
+// as the fold would add its partial sums (integers: the same total in any order).
+extern "C" __global__ void ksplit(const u8* __restrict__ w, int rows, int nsb, int mode,
+                                  u64* acc, u32* out) {
+    const int sb = blockIdx.x >> 1, half = blockIdx.x & 1;
+    const u8* qs = w + (((u64)rows * nsb * 16 + 255) & ~255ull);
+    u32 x = 0;
+    for (int r0 = threadIdx.x; r0 < rows; r0 += 2 * blockDim.x) {
+        uint4 a[2][5];
+#pragma unroll
+        for (int t = 0; t < 2; t++) {
+            const int r = min(r0 + t * (int)blockDim.x, rows - 1);
+            const u64 blk = (u64)r * nsb + sb;
+            const uint4* codes = (const uint4*)(qs + blk * 128 + half * 64);
+            a[t][0] = __ldg((const uint4*)(w + blk * 16));
+#pragma unroll
+            for (int v = 0; v < 4; v++) a[t][1 + v] = __ldg(codes + v);
+        }
+#pragma unroll
+        for (int t = 0; t < 2; t++) {
+            const int r = r0 + t * (int)blockDim.x;
+            int sum = (int)a[t][0].x;
+#pragma unroll
+            for (int v = 1; v < 5; v++) {
+                const uint4 q = a[t][v];
+                const u32 wv[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    sum = __dp4a((int)(wv[e] & 0x0F0F0F0Fu), 0x01010101, sum);
+                    sum = __dp4a((int)((wv[e] >> 4) & 0x0F0F0F0Fu), 0x01020304, sum);
+                }
+            }
+            if (r < rows) {
+                const u64 add = (u64)(long long)sum;
+                if (mode)
+                    asm volatile("red.global.add.u64 [%0], %1;" ::"l"(acc + r), "l"(add)
+                                 : "memory");
+                else
+                    x ^= (u32)sum;
+            }
+        }
+    }
+    if (x == 0x9e3779b9u) out[0] = x;
 }
 
 // A launch's first loads, as a decode matvec's preload sends them: each warp sends `units`
@@ -762,6 +814,37 @@ def x_bcast_bench(mib: int = 1024):
         yield label, float(np.median(us)), float(np.percentile(us, 90))
 
 
+def ksplit_bench(mib: int = 1024, reps: int = 5):
+    """Yield (label, us a pass, GB/s of the weight's bytes) for the 8B's ffn_down shape in
+    Q4_K (4096 rows of 14336) read by columns, 112 blocks of 128 columns (``ksplit``), with and
+    without the rows' atomic adds, beside the same bytes streamed whole (``stream_ldg``).
+    A timing is one pass over each of the copies of the weight the buffer holds, launched
+    back to back (none of it in L2, the device never waiting for the host)."""
+    cp, mod, n_sm, _, buf, out = _setup(mib)
+    kernel, ldg = mod.get_function("ksplit"), mod.get_function("stream_ldg")
+    rows, nsb = 4096, 14336 // 256
+    nbytes = ((rows * nsb * 16 + 255) & ~255) + rows * nsb * 128
+    stride = (nbytes + (1 << 20)) & ~((1 << 20) - 1)
+    copies = [buf[i * stride :] for i in range(max(1, buf.size // stride))]
+    acc = cp.zeros((rows,), dtype=cp.uint64)
+
+    def per_pass(launch) -> float:
+        def run():
+            for w in copies:
+                launch(w)
+
+        return _median_s(cp, run, reps) / len(copies)
+
+    n16 = np.uint64(nbytes // 16)
+    seconds = per_pass(lambda w: ldg((n_sm,), (512,), (w, n16, out)))
+    yield "the weight streamed whole (ldg, a block an SM)", seconds * 1e6, nbytes / seconds / 1e9
+    for mode, what in ((0, "no atomics"), (1, "a 64-bit atomic add a row")):
+        args = (np.int32(rows), np.int32(nsb), np.int32(mode), acc, out)
+        seconds = per_pass(lambda w, a=args: kernel((2 * nsb,), (512,), (w, *a)))
+        label = f"by columns, {2 * nsb} blocks of 128, {what}"
+        yield label, seconds * 1e6, nbytes / seconds / 1e9
+
+
 def burst_cases() -> list[dict]:
     """burst_bench's cases: warps a block (one block an SM), units a warp at once, units
     streamed before them."""
@@ -898,12 +981,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", action="store_true", help="only a launch's first loads")
     p.add_argument("--push", action="store_true", help="only x brought by a cluster neighbour")
     p.add_argument("--bcast", action="store_true", help="only x read by every SM at once")
+    p.add_argument("--ksplit", action="store_true", help="only a weight read by columns")
     args = p.parse_args(argv)
     try:
         import cupy  # noqa: F401
     except ImportError:
         print("stream_bench needs CuPy and an NVIDIA GPU", file=sys.stderr)
         return 2
+    for label, us, rate in ksplit_bench(args.mib, args.reps):
+        print(f"{us:8.1f} us  {rate:6.0f} GB/s  {label}", flush=True)
+    if args.ksplit:
+        return 0
     for label, med, p90 in x_bcast_bench(args.mib):
         print(f"x in shared memory: {med:6.2f} us median, {p90:6.2f} p90  {label}", flush=True)
     if args.bcast:
