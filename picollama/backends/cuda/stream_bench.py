@@ -1,6 +1,7 @@
 """How fast one read stream from device memory can go, by the ways a kernel can load it.
 
-    python -m picollama.backends.cuda.stream_bench [--mib 1024] [-r 5] [--quick] [--burst]
+    python -m picollama.backends.cuda.stream_bench [--mib 1024] [-r 5] [--quick]
+        [--ksplit | --bcast | --push | --burst | --phases]
 
 Each case reads a buffer much larger than L2 once and reduces it (so that no load is
 dead), timed by events, median of ``-r`` launches; the figure is GB/s of bytes read.
@@ -17,6 +18,12 @@ dead), timed by events, median of ``-r`` launches; the figure is GB/s of bytes r
   warp sends its first units at once, as the matvecs' preload does, against the same loads
   after a steady stream; clock cycles turned into microseconds at the SM clock's rate,
   measured by a kernel that spins for a known number of cycles.
+- Printed before it, each alone with its flag: ``ksplit``, a matvec's weight read by
+  columns (112 blocks of 128, as a split-K fold of ffn_down would read it) against the same
+  bytes read whole; ``bcast``, x into every block's shared memory when every SM reads the
+  same x, its own copy, or x once a cluster of four by multicast; ``push``, x for an SM with
+  weights in flight, loaded by itself or brought into its shared memory by the other block
+  of a cluster of two.
 
 The question it answers: can the bulk-copy engine, fed like this, keep the memory as busy
 as register loads do (and with how many bytes in flight a multiprocessor)? The matvec
@@ -37,8 +44,8 @@ __all__ = [
     "STREAM_SRC",
     "burst_bench",
     "burst_cases",
-    "ksplit_bench",
     "bulk_cases",
+    "ksplit_bench",
     "layer_8b",
     "main",
     "phase_bench",
@@ -185,10 +192,10 @@ extern "C" __global__ void x_behind(const uint4* __restrict__ w, u64 w16,
 // on rank 1's barrier for that warp; mode 2: as 1, but rank 0 first sends its own units
 // after the x load (x first, then weights, on the pushing SM). With `delay`, rank 0 spins
 // that many cycles first, so that its x goes out behind the other SMs' units already in
-// flight rather than beside them. lat[0 .. n): rank 1's
-// cycles from its units issued to x in use; lat[n .. 2n): rank 0's from its x load's issue
-// to x in use. The question: does x wait behind the weights of its own SM (then a
-// neighbour with nothing in flight can bring it sooner) or behind everyone's?
+// flight rather than beside them. lat[0 .. n): rank 1's cycles from its units issued to x
+// in use; lat[n .. 2n): rank 0's from its x load's issue to x in use. The question: does x
+// wait behind the weights of its own SM (then a neighbour with nothing in flight can bring
+// it sooner) or behind everyone's?
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
                  ::: "memory");
