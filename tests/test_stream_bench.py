@@ -136,3 +136,28 @@ def test_ksplit_bench_times_the_column_split_and_its_reference_on_a_gpu():
     assert len(rows) == 3 and rows[0][0].startswith("the weight streamed whole")
     for label, us, rate in rows:
         assert us > 0 and math.isfinite(rate) and rate > 1, label
+
+
+def test_main_prints_the_sections_asked_for_and_every_one_without_a_flag(monkeypatch, capsys):
+    """The section flags select (``--burst`` prints only the burst), with no GPU needed:
+    each bench is replaced by one row naming it, and CuPy by an empty module."""
+    import sys
+    import types
+
+    import picollama.backends.cuda.stream_bench as sb
+
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    names = ["ksplit_bench", "x_bcast_bench", "x_push_bench", "burst_bench", "phase_bench",
+             "x_behind_bench", "stream_bench"]  # fmt: skip
+    for name in names:
+        third = 0 if name == "phase_bench" else 1.0
+        monkeypatch.setattr(sb, name, lambda *a, _n=name, _t=third, **k: iter([(_n, 1.0, _t)]))
+
+    def printed(argv):
+        assert sb.main(argv) == 0
+        out = capsys.readouterr().out  # read once: a second read is empty
+        return [n for n in names if n in out]
+
+    assert printed(["--burst"]) == ["burst_bench"]
+    assert printed(["--push", "--phases"]) == ["x_push_bench", "phase_bench"]
+    assert printed([]) == names

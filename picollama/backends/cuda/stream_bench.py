@@ -984,44 +984,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=1024, help="buffer size (MiB); default 1024")
     p.add_argument("-r", "--reps", type=int, default=5, help="launches a case (median)")
     p.add_argument("--quick", action="store_true", help="fewer bulk-copy cases")
-    p.add_argument("--phases", action="store_true", help="only the phase ring (8B layers)")
-    p.add_argument("--burst", action="store_true", help="only a launch's first loads")
-    p.add_argument("--push", action="store_true", help="only x brought by a cluster neighbour")
-    p.add_argument("--bcast", action="store_true", help="only x read by every SM at once")
-    p.add_argument("--ksplit", action="store_true", help="only a weight read by columns")
+    # each of these: that section only (several: those); none: every section
+    p.add_argument("--phases", action="store_true", help="the phase ring (8B layers)")
+    p.add_argument("--burst", action="store_true", help="a launch's first loads")
+    p.add_argument("--push", action="store_true", help="x brought by a cluster neighbour")
+    p.add_argument("--bcast", action="store_true", help="x read by every SM at once")
+    p.add_argument("--ksplit", action="store_true", help="a weight read by columns")
     args = p.parse_args(argv)
     try:
         import cupy  # noqa: F401
     except ImportError:
         print("stream_bench needs CuPy and an NVIDIA GPU", file=sys.stderr)
         return 2
-    for label, us, rate in ksplit_bench(args.mib, args.reps):
-        print(f"{us:8.1f} us  {rate:6.0f} GB/s  {label}", flush=True)
-    if args.ksplit:
-        return 0
-    for label, med, p90 in x_bcast_bench(args.mib):
-        print(f"x in shared memory: {med:6.2f} us median, {p90:6.2f} p90  {label}", flush=True)
-    if args.bcast:
-        return 0
-    for label, med, p90 in x_push_bench(args.mib):
-        print(f"x: {med:7.0f} cycles median, {p90:7.0f} p90  {label}", flush=True)
-    if args.push:
-        return 0
-    for label, med, p90 in burst_bench(args.mib):
-        print(f"first units: {med:6.2f} us median, {p90:6.2f} p90  {label}", flush=True)
-    if args.burst:
-        return 0
-    for label, rate, timeouts in phase_bench(args.mib, reps=args.reps, quick=args.quick):
-        print(
-            f"{rate:8.0f} GB/s  {label}" + (" (a flag timed out)" if timeouts else ""), flush=True
-        )
-    if args.phases:
-        return 0
-    for label, med, p90 in x_behind_bench(args.mib):
-        print(f"x load: {med:7.0f} cycles median, {p90:7.0f} p90  {label}", flush=True)
-    for label, rate, kb in stream_bench(args.mib, args.reps, args.quick):
-        flight = f"{kb:6.0f} KB an SM" if kb is not None else ""
-        print(f"{rate:8.0f} GB/s  {flight:>14}  {label}", flush=True)
+    only = {f for f in ("ksplit", "bcast", "push", "burst", "phases") if getattr(args, f)}
+
+    def ring_rows():
+        for label, rate, timeouts in phase_bench(args.mib, reps=args.reps, quick=args.quick):
+            yield label, rate, " (a flag timed out)" if timeouts else ""
+
+    def stream_rows():
+        for label, rate, kb in stream_bench(args.mib, args.reps, args.quick):
+            yield label, rate, f"{kb:6.0f} KB an SM" if kb is not None else ""
+
+    # (flag, rows, the format of a row): with no flag every section, in this order
+    sections = [
+        ("ksplit", lambda: ksplit_bench(args.mib, args.reps), "{1:8.1f} us  {2:6.0f} GB/s  {0}"),
+        ("bcast", lambda: x_bcast_bench(args.mib),
+         "x in shared memory: {1:6.2f} us median, {2:6.2f} p90  {0}"),
+        ("push", lambda: x_push_bench(args.mib), "x: {1:7.0f} cycles median, {2:7.0f} p90  {0}"),
+        ("burst", lambda: burst_bench(args.mib),
+         "first units: {1:6.2f} us median, {2:6.2f} p90  {0}"),
+        ("phases", ring_rows, "{1:8.0f} GB/s  {0}{2}"),
+        ("", lambda: x_behind_bench(args.mib), "x load: {1:7.0f} cycles median, {2:7.0f} p90  {0}"),
+        ("", stream_rows, "{1:8.0f} GB/s  {2:>14}  {0}"),
+    ]  # fmt: skip
+    for flag, rows, fmt in sections:
+        if only and flag not in only:
+            continue
+        for row in rows():
+            print(fmt.format(*row), flush=True)
     return 0
 
 
