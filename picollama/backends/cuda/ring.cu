@@ -236,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(RING_THREADS + 32, 1) matvec_ring(c
 #endif
     if (threadIdx.x == 0) {
         for (int b = 0; b < RING_BARS; b++) bar_init(&full[b], 1), bar_init(&empty[b], RING_GW);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        bar_init_fence();
 #if RING_BCAP
         s_xready = -1;
 #endif

@@ -98,7 +98,7 @@ extern "C" __global__ void stream_bulk(const u8* __restrict__ src, u64 n_chunks,
     const u32 piece = (u32)(stage_bytes / pieces);
     if (threadIdx.x == 0) {
         for (int s = 0; s < n_stages; s++) bar_init(&full[s], 1), bar_init(&empty[s], C ? C : 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        bar_init_fence();
     }
     __syncthreads();
     if (warp == C) {
@@ -150,7 +150,7 @@ extern "C" __global__ void x_behind(const uint4* __restrict__ w, u64 w16,
     u8* buf = smem + 128 + (u64)warp * XB_UNITS * 2048;
     const u64 gw = (u64)blockIdx.x * W + warp, n_gw = (u64)gridDim.x * W;
     if (lane == 0) bar_init(&bar[warp], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    bar_init_fence();
     __syncwarp();
     uint4 r[4 * XB_UNITS];
 #pragma unroll
@@ -212,11 +212,10 @@ x_push(const uint4* __restrict__ w, u64 w16, const uint4* __restrict__ x, int mo
     __shared__ __align__(16) uint4 xs[16 * 32];
     __shared__ __align__(8) u64 bar[16];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
-    u32 rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const u32 rank = cluster_rank();
     const u64 n_gw = (u64)(gridDim.x >> 1) * W, gw = (u64)(blockIdx.x >> 1) * W + warp;
     if (lane == 0) bar_init(&bar[warp], 32);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    bar_init_fence();
     cluster_sync();
     auto unit_at = [&](int u) { return ((u * n_gw + gw + rank * 7919) * 128) % (w16 - 128); };
     uint4 r[4 * XB_UNITS];
@@ -280,6 +279,13 @@ x_push(const uint4* __restrict__ w, u64 w16, const uint4* __restrict__ x, int mo
     cluster_sync();  // rank 1's shared memory stays until every store into it is done
 }
 
+// warp gw's unit of 3 KB of weights into r (6 x 16 bytes a lane), as a matvec's preload
+__device__ __forceinline__ void load_unit3k(const uint4* __restrict__ w, u64 w16, u64 gw,
+                                            int lane, uint4* r) {
+#pragma unroll
+    for (int v = 0; v < 6; v++) r[v] = __ldg(w + (gw * 192) % (w16 - 192) + 32 * v + lane);
+}
+
 // x into every block's shared memory, as each one-token matvec reads it after its wait: one
 // block an SM, 16 warps, xw floats of x (in L2). Every warp first sends `units` units of
 // 3 KB of weights (a preload in flight). x_bcast, mode 0: every block loads the same x
@@ -299,9 +305,7 @@ extern "C" __global__ void x_bcast(const uint4* __restrict__ w, u64 w16,
     __syncthreads();
     u64 t0, t1;
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
-    if (units)
-#pragma unroll
-        for (int v = 0; v < 6; v++) r[v] = __ldg(w + (gw * 192) % (w16 - 192) + 32 * v + lane);
+    if (units) load_unit3k(w, w16, gw, lane, r);
     const float4* src = (const float4*)(x + (mode == 1 ? (u64)blockIdx.x * xw : 0));
     float4 v[4];
     const int n4 = xw / 4;
@@ -332,12 +336,11 @@ x_mcast(const uint4* __restrict__ w, u64 w16, const float* __restrict__ x, int x
     __shared__ __align__(8) u64 bar;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
     const u64 gw = (u64)blockIdx.x * W + warp;
-    u32 rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const u32 rank = cluster_rank();
     const u32 q = (u32)xw;  // bytes a quarter: xw / 4 floats
     if (threadIdx.x == 0) {
         bar_init(&bar, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        bar_init_fence();
         bar_expect(&bar, 4 * q);
     }
     cluster_sync();
@@ -345,9 +348,7 @@ x_mcast(const uint4* __restrict__ w, u64 w16, const float* __restrict__ x, int x
     for (int i = 0; i < 6; i++) r[i] = make_uint4(0, 0, 0, 0);
     u64 t0, t1;
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
-    if (units)
-#pragma unroll
-        for (int v = 0; v < 6; v++) r[v] = __ldg(w + (gw * 192) % (w16 - 192) + 32 * v + lane);
+    if (units) load_unit3k(w, w16, gw, lane, r);
     if (threadIdx.x == 0) {
         const unsigned short mask = 0xF;
         asm volatile(
@@ -501,7 +502,7 @@ extern "C" __global__ void phase_ring(const u8* __restrict__ src, const u64* __r
     const int C = (int)(blockDim.x >> 5) - 1, n_cons = 32 * C;
     if (threadIdx.x == 0) {
         for (int s = 0; s < n_stages; s++) bar_init(&full[s], 1), bar_init(&empty[s], C);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        bar_init_fence();
     }
     __syncthreads();
     if (warp == C) {
