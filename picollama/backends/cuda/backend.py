@@ -1745,6 +1745,8 @@ class CUDABackend(Backend):
             65536 // (regs * threads),
             self._smem_per_sm // max(smem + 1024, 1),
         )
+        if mv.q8 and n == 1 and layout.define_value("MVQ_COR", 0):
+            per_sm = 1  # one block an SM: the other half is the next launch's (mmvq.cu)
         n_blocks = min((rows + rows_per_block - 1) // rows_per_block, self._n_sm * max(1, per_sm))
         grid = (max(1, n_blocks),)
         if mv.q8:

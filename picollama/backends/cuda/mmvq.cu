@@ -29,6 +29,19 @@
 // fastest on the H200 for the 8B shapes; the small types keep 2 blocks of 8 warps, which the
 // 576-wide rows of small models prefer. The backend reads the block size back from the
 // kernel (max_threads_per_block).
+// MVQ_COR (off): the one-token launches take half an SM each, so that the next launch's
+// blocks sit beside the running ones, their first loads landed long before their wait:
+// 8-warp blocks of <= 128 registers (two fit an SM), one block an SM (the host, through
+// layout.define_value), x's loads two rounds at a time (as 16 warps' one), and the trigger
+// for the next launch when x is quantized (its blocks' first loads then don't delay x's;
+// MVQ_COR=2: right after the wait).
+#ifndef MVQ_COR
+#define MVQ_COR 0
+#endif
+#if MVQ_COR && (defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K))
+#define MVQ_WARPS 8
+#define MVQ_MIN_BLOCKS 2
+#endif
 #if defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K)
 #ifndef MVQ_WARPS
 #define MVQ_WARPS 16
@@ -107,6 +120,26 @@
 // finished), a warp issues the loads of its first row pair's first iteration into registers.
 #ifndef MVQ_PRELOAD
 #define MVQ_PRELOAD 1
+#endif
+
+// MVQ_PRE2 (one token, with MVQ_PIPE and MVQ_PRELOAD): a warp's second unit's loads go out
+// before the dependent-launch wait too, into the pipe's other register set, so that a
+// launch whose blocks enter well before their wait (attn_output's, while the attention's
+// few blocks run) has its whole weight in flight by then, and after the wait only x's
+// loads. Bits: 1 the plain and gated kernels (matvec_q8_n1), 2 the Q/K/V + RoPE kernel,
+// 4 the wide and small-grid ones. 0 (off) until timed; the default build's code is as
+// before. Q6_K takes only the bits of MVQ_PRE2_Q6K (2: with bit 1 its matvec_q8_n1, the
+// output matrix's kernel, spills 40 bytes by ptxas; with bit 4 the small one 12).
+#ifndef MVQ_PRE2
+#define MVQ_PRE2 0
+#endif
+#ifndef MVQ_PRE2_Q6K
+#define MVQ_PRE2_Q6K 2
+#endif
+#if defined(QTYPE_Q6_K)
+#define MVQ_PRE2_BITS (MVQ_PRE2 & MVQ_PRE2_Q6K)
+#else
+#define MVQ_PRE2_BITS MVQ_PRE2
 #endif
 
 // The most blocks a launch that writes x may have for its reader to take x's sum of squares
@@ -777,7 +810,7 @@ __device__ __forceinline__ void mvq_body(
         return jb;
     };
 
-    pdl_trigger_at(0, pdl_at);
+    if (!(MVQ_COR && NT == 1)) pdl_trigger_at(0, pdl_at);
     // The weights are constant, so the first job's first iteration of loads goes out now,
     // into registers, while x is read and quantized (and, with dependent launches, while the
     // kernel before still runs). (An L2 prefetch of the warp's first rows besides, 2 or 8 KB
@@ -789,6 +822,28 @@ __device__ __forceinline__ void mvq_body(
         Job jb = job_at(row_first);
         load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
     }
+#if MVQ_PIPE && MVQ_PRE2
+    QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];  // the pipe's second register set (below)
+    constexpr int PRE2_BIT = ROPE ? 2 : (XB > 1 || W != MVQ_WARPS ? 4 : 1);
+    bool pre2 = false;  // whether the second unit's loads are in (qa, qb)
+    if constexpr (NT == 1 && MVQ_PRELOAD && (MVQ_PRE2_BITS & PRE2_BIT) != 0) {
+        // the pipe's next unit after (row_first, 0): the job's second iteration, or the
+        // warp's next job
+        const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
+        const int j2 = n_it > 1 ? row_first : row_first + job_step, it2 = n_it > 1 ? 1 : 0;
+        if (have_first && j2 < n_jobs) {
+            const Job jb = job_at(j2);
+            const int c2 = lane + 32 * QD::UNROLL * it2;
+            if (cpr % (32 * QD::UNROLL) == 0 && jb.two)  // with_all's test (below)
+                load_iter<true>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, c2, qa, qb);
+            else
+                load_iter<false>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, c2, qa, qb);
+            pre2 = true;
+        }
+    }
+#else
+    constexpr bool pre2 = false;
+#endif
     if constexpr (ROPE) {
         // every pair's angle, with rope_head's float32 operations (ops.cu), before the dots:
         // not on the critical path of each pair's epilogue. The position was copied to the
@@ -799,7 +854,8 @@ __device__ __forceinline__ void mvq_body(
     }
     pdl_wait();
     MVQ_TR(tr_1);
-    pdl_trigger_at(1, pdl_at);
+    if (!(MVQ_COR && NT == 1)) pdl_trigger_at(1, pdl_at);
+    if (MVQ_COR == 2 && NT == 1) pdl_trigger();
 
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
@@ -867,6 +923,7 @@ __device__ __forceinline__ void mvq_body(
     }
     __syncthreads();
     MVQ_TR(tr_2);
+    if (MVQ_COR == 1 && NT == 1) pdl_trigger();
 
     XQ x0 = {sq, sd, ss};
     const int crow = ROPE ? *ra.start : 0;
@@ -968,17 +1025,20 @@ __device__ __forceinline__ void mvq_body(
     if constexpr (NT == 1 && MVQ_PRELOAD) {
         if (have_first) {
             const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
+#if !MVQ_PRE2
             QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];
+#endif
             int jc = row_first, it = 0;
             float acc_a[1] = {0.f}, acc_b[1] = {0.f};
             // multiply the unit (job jc, iteration it) in (ca, cb) after issuing the next
-            // one's loads into (na, nb); false when the warp has no unit left. (Jobs are
-            // located again where they are used, rather than kept live across units.)
+            // one's loads into (na, nb) (with pre2 the first step's went out before the
+            // wait); false when the warp has no unit left. (Jobs are located again where
+            // they are used, rather than kept live across units.)
             auto step = [&](const QD::Raw* ca, const QD::Raw* cb, QD::Raw* na, QD::Raw* nb) {
                 int it_n = it + 1, j_n = jc;
                 if (it_n == n_it) it_n = 0, j_n = jc + job_step;
                 const bool more = j_n < n_jobs;
-                if (more) {
+                if (more && !pre2) {
                     const Job jn = job_at(j_n);
                     const int c_n = lane + 32 * QD::UNROLL * it_n;
                     with_all(jn, [&](auto all) {
@@ -997,6 +1057,9 @@ __device__ __forceinline__ void mvq_body(
                     acc_a[0] = acc_b[0] = 0.f;
                 }
                 it = it_n, jc = j_n;
+#if MVQ_PRE2
+                pre2 = false;
+#endif
                 MVQ_TR_FIRST();
                 return more;
             };
@@ -1005,7 +1068,7 @@ __device__ __forceinline__ void mvq_body(
         }
         ssq_epilogue();
         MVQ_TR_END();
-        pdl_trigger_at(2, pdl_at);
+        if (!(MVQ_COR && NT == 1)) pdl_trigger_at(2, pdl_at);
         return;
     }
 #endif
@@ -1018,7 +1081,7 @@ __device__ __forceinline__ void mvq_body(
     for (; j < n_jobs; j += job_step) run_job(job_at(j), BoolC<false>{});
     ssq_epilogue();
     MVQ_TR_END();
-    pdl_trigger_at(2, pdl_at);
+    if (!(MVQ_COR && NT == 1)) pdl_trigger_at(2, pdl_at);
 }
 
 #ifndef RING_BUILD  // ring.cu builds the code above without the kernels
@@ -1052,7 +1115,7 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8_4(MVQ_PAR
 }
 
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1(MVQ_PARAMS) {
-    mvq_body<1, 1, false, MVQ_WARPS>(MVQ_ARGS);
+    mvq_body<1, MVQ_COR ? 2 : 1, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 #if MVQ_SMALL_WARPS < MVQ_WARPS
@@ -1067,12 +1130,15 @@ extern "C" __global__ void __launch_bounds__(MVQ_SMALL_WARPS * 32, MVQ_SMALL_BLO
 
 // one token of a wide x (the feed-forward's down matrix): x's loads four rounds at a time, in
 // a kernel of its own so that the registers this takes don't weigh on the others
+#ifndef MVQ_WIDE_XB
+#define MVQ_WIDE_XB 4
+#endif
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_wide(MVQ_PARAMS) {
-    mvq_body<1, 4, false, MVQ_WARPS>(MVQ_ARGS);
+    mvq_body<1, MVQ_WIDE_XB, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 // one token's Q, K and V with RoPE and the KV cache write (ROPE above)
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
-    mvq_body<1, 1, true, MVQ_WARPS>(MVQ_ARGS);
+    mvq_body<1, MVQ_COR ? 2 : 1, true, MVQ_WARPS>(MVQ_ARGS);
 }
 #endif  // RING_BUILD
