@@ -144,6 +144,9 @@
 
 // The most blocks a launch that writes x may have for its reader to take x's sum of squares
 // from their partial sums (ssq_out / ssq_in below); the host links no bigger launch.
+#ifndef MVQ_XWARM
+#define MVQ_XWARM 0
+#endif
 #ifndef MVQ_SSQ_MAX
 #define MVQ_SSQ_MAX 256
 #endif
@@ -167,6 +170,7 @@ __device__ __forceinline__ unsigned long long mvq_gtimer() {
     return t;
 }
 #define MVQ_TR(name) const unsigned long long name = mvq_gtimer()
+#define MVQ_TR_SET(name) name = mvq_gtimer()
 #define MVQ_TR_FIRST() \
     if (tr_f == 0) tr_f = mvq_gtimer()
 #define MVQ_TR_X1() \
@@ -191,6 +195,7 @@ __device__ __forceinline__ unsigned long long mvq_gtimer() {
     } while (0)
 #else
 #define MVQ_TR(name)
+#define MVQ_TR_SET(name)
 #define MVQ_TR_FIRST()
 #define MVQ_TR_X1()
 #define MVQ_TR_ISSUED()
@@ -852,11 +857,7 @@ __device__ __forceinline__ void mvq_body(
         for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x)
             s_cs[i] = rope_cs(p_f, i, ra.theta_scale, ra.freq_scale);
     }
-    pdl_wait();
-    MVQ_TR(tr_1);
-    if (!(MVQ_COR && NT == 1)) pdl_trigger_at(1, pdl_at);
-    if (MVQ_COR == 2 && NT == 1) pdl_trigger();
-
+#if MVQ_XWARM  // (declared here, outside the passes)
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
     int* ss = (int*)(sd + n * nb32);
@@ -865,13 +866,50 @@ __device__ __forceinline__ void mvq_body(
     // in its first round, so the norm costs no round trip and no block barrier of its own
     // (not in the wide-x kernel, XB 4, whose registers it would spill: no normed x is wide)
     const bool ssq = NT == 1 && XB <= 2 && norm && ssq_in != nullptr;
+#endif
+#if MVQ_TRACE
+    unsigned long long tr_1 = 0;
+#endif
+    // MVQ_XWARM (off; a diagnostic of the prologue): x's read, norm and quantization run
+    // twice, first before the wait with every load and store predicated off (the same
+    // instructions on zeros: only their fetch into the instruction caches), then on x
+#if MVQ_XWARM
+    const int warm_passes = NT == 1 ? 2 : 1;
+#pragma unroll 1
+    for (int pass = 2 - warm_passes; pass < 2; pass++) {
+    const bool live = pass == 1;
+    if (live) {
+#else
+    constexpr bool live = true;
+#endif
+    pdl_wait();
+    MVQ_TR_SET(tr_1);
+#if MVQ_TRACE
+    tr_x1 = 0;
+#endif
+    if (!(MVQ_COR && NT == 1)) pdl_trigger_at(1, pdl_at);
+    if (MVQ_COR == 2 && NT == 1) pdl_trigger();
+#if MVQ_XWARM
+    }
+#endif
+#if !MVQ_XWARM
+    signed char* sq = (signed char*)mvq_smem;
+    float* sd = (float*)(sq + n * k);
+    int* ss = (int*)(sd + n * nb32);
+    // ssq_in (one token, with norm): the sum of x's squares comes from the launch that wrote
+    // x, one partial sum a block of it (ssq_n of them, at most MVQ_SSQ_MAX): loaded beside x
+    // in its first round, so the norm costs no round trip and no block barrier of its own
+    // (not in the wide-x kernel, XB 4, whose registers it would spill: no normed x is wide)
+    const bool ssq = NT == 1 && XB <= 2 && norm && ssq_in != nullptr;
+#endif
+
     if (norm && !ssq) {
         for (int t = 0; t < n; t++) {
             const float4* xt = (const float4*)(x + (i64)t * k);
             double acc = 0.0;
 #pragma unroll 4
             for (int j = threadIdx.x; j < k / 4; j += W * 32) {
-                float4 v = __ldg(xt + j);
+                float4 v = live ? __ldg(xt + j) : make_float4(0.f, 0.f, 0.f, 0.f);
                 acc += (double)v.x * v.x + (double)v.y * v.y;
                 acc += (double)v.z * v.z + (double)v.w * v.w;
             }
@@ -891,13 +929,13 @@ __device__ __forceinline__ void mvq_body(
 #pragma unroll
             for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) {
                 const int i = lane + 32 * u;
-                sl[u] = i < ssq_n ? ssq_in[i] : 0.0;
+                sl[u] = live && i < ssq_n ? ssq_in[i] : 0.0;
             }
         }
 #pragma unroll
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
-            bool in = i4 < n4;
+            bool in = live && i4 < n4;
             int t = in ? (4 * i4) / k : 0;
             int j = 4 * i4 - t * k;
             xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -913,7 +951,7 @@ __device__ __forceinline__ void mvq_body(
 #pragma unroll
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
-            bool in = i4 < n4;
+            bool in = live && i4 < n4;
             int t = in ? (4 * i4) / k : 0;
             float4 v = xv[r];
             if (norm && in) v = norm4(v, ssq ? ssq_scale : s_scale[t], gv[r]);
@@ -921,6 +959,9 @@ __device__ __forceinline__ void mvq_body(
         }
         MVQ_TR_X1();
     }
+#if MVQ_XWARM
+    }  // pass
+#endif
     __syncthreads();
     MVQ_TR(tr_2);
     if (MVQ_COR == 1 && NT == 1) pdl_trigger();
