@@ -857,7 +857,7 @@ __device__ __forceinline__ void mvq_body(
         for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x)
             s_cs[i] = rope_cs(p_f, i, ra.theta_scale, ra.freq_scale);
     }
-#if MVQ_XWARM  // (declared here, outside the passes)
+#if MVQ_XWARM & 1  // (declared here, outside the passes)
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
     int* ss = (int*)(sd + n * nb32);
@@ -870,10 +870,20 @@ __device__ __forceinline__ void mvq_body(
 #if MVQ_TRACE
     unsigned long long tr_1 = 0;
 #endif
-    // MVQ_XWARM (off; a diagnostic of the prologue): x's read, norm and quantization run
-    // twice, first before the wait with every load and store predicated off (the same
-    // instructions on zeros: only their fetch into the instruction caches), then on x
-#if MVQ_XWARM
+    // MVQ_XWARM (off; a diagnostic of the prologue): bit 1, x's read, norm and quantization
+    // run twice, first before the wait with every load and store predicated off (the same
+    // instructions on zeros: only their fetch into the instruction caches), then on x; bit 2,
+    // before the wait lane 0 of each warp sends an L2 prefetch of x's, norm_w's and ssq_in's
+    // first lines (L2 is where the writer's stores go, so a line fetched early is still
+    // current; the prefetch walks their pages' translations into this SM's TLB)
+#if MVQ_XWARM & 2
+    if (NT == 1 && lane == 0) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(x));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(norm_w));
+        if (ssq_in != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(ssq_in));
+    }
+#endif
+#if MVQ_XWARM & 1
     const int warm_passes = NT == 1 ? 2 : 1;
 #pragma unroll 1
     for (int pass = 2 - warm_passes; pass < 2; pass++) {
@@ -889,10 +899,10 @@ __device__ __forceinline__ void mvq_body(
 #endif
     if (!(MVQ_COR && NT == 1)) pdl_trigger_at(1, pdl_at);
     if (MVQ_COR == 2 && NT == 1) pdl_trigger();
-#if MVQ_XWARM
+#if MVQ_XWARM & 1
     }
 #endif
-#if !MVQ_XWARM
+#if !(MVQ_XWARM & 1)
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
     int* ss = (int*)(sd + n * nb32);
@@ -959,7 +969,7 @@ __device__ __forceinline__ void mvq_body(
         }
         MVQ_TR_X1();
     }
-#if MVQ_XWARM
+#if MVQ_XWARM & 1
     }  // pass
 #endif
     __syncthreads();
