@@ -128,6 +128,25 @@ def test_x_bcast_bench_times_every_case_on_a_gpu():
         assert 0 < med <= p90 < 1e4, label  # microseconds: every copy landed
 
 
+def test_x_fresh_cases_set_old_x_beside_each_way_the_launch_before_writes_it():
+    from picollama.backends.cuda.stream_bench import x_fresh_cases
+
+    cases = x_fresh_cases()
+    assert {c["how"] for c in cases} == {0, 1, 2}  # float4 stores, a row a warp, after weights
+    assert any(c["sync"] for c in cases) and any(not c["sync"] for c in cases)
+    assert all((c["units"] > 0) == (c["how"] == 2) for c in cases)
+
+
+def test_x_fresh_bench_checks_x_and_times_every_case_on_a_gpu():
+    _gpu()
+    from picollama.backends.cuda.stream_bench import x_fresh_bench, x_fresh_cases
+
+    rows = list(x_fresh_bench(mib=256))  # raises where the writer left x other than stamped
+    assert len(rows) == len(x_fresh_cases())
+    for label, med, p90 in rows:
+        assert 0 < med <= p90 < 1e4, label
+
+
 def test_ksplit_bench_times_the_column_split_and_its_reference_on_a_gpu():
     _gpu()
     from picollama.backends.cuda.stream_bench import ksplit_bench
@@ -147,8 +166,8 @@ def test_main_prints_the_sections_asked_for_and_every_one_without_a_flag(monkeyp
     import picollama.backends.cuda.stream_bench as sb
 
     monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
-    names = ["ksplit_bench", "x_bcast_bench", "x_push_bench", "burst_bench", "phase_bench",
-             "x_behind_bench", "stream_bench"]  # fmt: skip
+    names = ["x_fresh_bench", "ksplit_bench", "x_bcast_bench", "x_push_bench", "burst_bench",
+             "phase_bench", "x_behind_bench", "stream_bench"]  # fmt: skip
     for name in names:
         third = 0 if name == "phase_bench" else 1.0
         monkeypatch.setattr(sb, name, lambda *a, _n=name, _t=third, **k: iter([(_n, 1.0, _t)]))
@@ -160,4 +179,5 @@ def test_main_prints_the_sections_asked_for_and_every_one_without_a_flag(monkeyp
 
     assert printed(["--burst"]) == ["burst_bench"]
     assert printed(["--push", "--phases"]) == ["x_push_bench", "phase_bench"]
+    assert printed(["--fresh"]) == ["x_fresh_bench"]
     assert printed([]) == names

@@ -1,7 +1,7 @@
 """How fast one read stream from device memory can go, by the ways a kernel can load it.
 
     python -m picollama.backends.cuda.stream_bench [--mib 1024] [-r 5] [--quick]
-        [--ksplit | --bcast | --push | --burst | --phases]
+        [--fresh | --ksplit | --bcast | --push | --burst | --phases]
 
 Each case reads a buffer much larger than L2 once and reduces it (so that no load is
 dead), timed by events, median of ``-r`` launches; the figure is GB/s of bytes read.
@@ -18,7 +18,10 @@ dead), timed by events, median of ``-r`` launches; the figure is GB/s of bytes r
   warp sends its first units at once, as the matvecs' preload does, against the same loads
   after a steady stream; clock cycles turned into microseconds at the SM clock's rate,
   measured by a kernel that spins for a known number of cycles.
-- Printed before it, each alone with its flag: ``ksplit``, a matvec's weight read by
+- Printed before it, each alone with its flag: ``fresh``, x read by every SM right after
+  the launch that wrote it (float4 stores, or a 4-byte store a row as the matvecs write,
+  with or without weights streamed between the rows) against x the host waited for;
+  ``ksplit``, a matvec's weight read by
   columns (112 blocks of 128, as a split-K fold of ffn_down would read it) against the same
   bytes read whole; ``bcast``, x into every block's shared memory when every SM reads the
   same x, its own copy, or x once a cluster of four by multicast; ``push``, x for an SM with
@@ -55,6 +58,8 @@ __all__ = [
     "x_bcast_bench",
     "x_bcast_cases",
     "x_behind_bench",
+    "x_fresh_bench",
+    "x_fresh_cases",
     "x_push_bench",
     "x_push_cases",
 ]
@@ -327,6 +332,35 @@ extern "C" __global__ void x_bcast(const uint4* __restrict__ w, u64 w16,
     for (int i = 0; i < 6; i++) acc ^= fold(r[i]);
     if (threadIdx.x == 0) lat[blockIdx.x] = (u32)(t1 - t0);
     if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+// x as the kernel before a matvec leaves it, for x_bcast (mode 0) to read right after:
+// how 0, float4 stores over a grid-stride loop (an elementwise kernel's way); how 1, a row a
+// warp at a time (rows gw, gw + the grid's warps, ...), lane 0 storing its 4 bytes, as the
+// matvecs write their outputs; how 2, as 1, each row after the warp has read `units` units
+// of 3 KB of weights (the row's dot: the weights stream through L2 while x is written).
+// x[i] = stamp + i, so a reader's values are known.
+extern "C" __global__ void x_fresh_write(const uint4* __restrict__ w, u64 w16, float* x, int xw,
+                                         int how, int units, float stamp, u32* out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+    const u64 gw = (u64)blockIdx.x * W + warp, n_warps = (u64)gridDim.x * W;
+    if (how == 0) {
+        const u64 step = (u64)gridDim.x * blockDim.x;
+        for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)xw / 4; i += step) {
+            const float b = stamp + 4.f * (float)i;
+            ((float4*)x)[i] = make_float4(b, b + 1.f, b + 2.f, b + 3.f);
+        }
+        return;
+    }
+    u32 acc = 0;
+    for (u64 r = gw; r < (u64)xw; r += n_warps) {
+        for (int u = 0; u < (how == 2 ? units : 0); u++) {
+            uint4 q[6];
+            load_unit3k(w, w16, r * units + u, lane, q);
+            for (int v = 0; v < 6; v++) acc ^= fold(q[v]);
+        }
+        if (lane == 0) x[r] = stamp + (float)r + (acc == 0x9e3779b9u ? 1.f : 0.f);
+    }
 }
 
 extern "C" __global__ void __cluster_dims__(4, 1, 1)
@@ -822,6 +856,58 @@ def x_bcast_bench(mib: int = 1024):
         yield label, float(np.median(us)), float(np.percentile(us, 90))
 
 
+def x_fresh_cases() -> list[dict]:
+    """x_fresh_bench's cases: how x was written (x_fresh_write's ``how``), with how many
+    units of 3 KB of weights a row, and whether the host waited between writer and reader."""
+    return [
+        {"how": 0, "units": 0, "sync": True},
+        {"how": 0, "units": 0, "sync": False},
+        {"how": 1, "units": 0, "sync": False},
+        {"how": 2, "units": 1, "sync": False},
+        {"how": 2, "units": 8, "sync": False},
+        {"how": 1, "units": 0, "sync": True},
+    ]
+
+
+def x_fresh_bench(mib: int = 1024):
+    """Yield (label, median, 90th percentile) microseconds until a block has x (4096
+    floats, every SM the same x: x_bcast's mode 0) in its shared memory, launched right
+    after the kernel that wrote x: by float4 stores, by one 4-byte store a row as the
+    matvecs write, or so after streaming weights for each row. The question: is an x the
+    launch before has just written slower to read than one written long before (the
+    matvecs' x takes ~2 us a round trip after their wait, NOTES run 39; x_bcast's 0.4)?"""
+    cp, mod, n_sm, _, w, out = _setup(mib)
+    write, read = mod.get_function("x_fresh_write"), mod.get_function("x_bcast")
+    ghz = _sm_ghz(cp, mod, out)
+    xw = 4096
+    read.max_dynamic_shared_size_bytes = xw * 4
+    x = cp.zeros((xw,), dtype=cp.float32)
+    lat = cp.zeros((n_sm,), dtype=cp.uint32)
+    how = ("float4 stores", "a 4-byte store a row", "a 4-byte store a row after {u} units of 3 KB")
+    w16 = np.uint64(w.size // 16)
+    for c in x_fresh_cases():
+        samples = []
+        for rep in range(4):
+            stamp = np.float32(1000.0 * (rep + 1))
+            args = (w, w16, x, np.int32(xw), np.int32(c["how"]), np.int32(c["units"]), stamp, out)
+            write((n_sm,), (512,), args)
+            if c["sync"]:
+                cp.cuda.runtime.deviceSynchronize()
+            read((n_sm,), (512,), (w, w16, x, np.int32(xw), np.int32(0), np.int32(0), lat, out),
+                 shared_mem=xw * 4)  # fmt: skip
+            cp.cuda.runtime.deviceSynchronize()
+            want = float(stamp) + np.arange(xw, dtype=np.float32)
+            if not np.array_equal(cp.asnumpy(x), want):
+                raise RuntimeError(f"x_fresh_write ({c}) did not write x")
+            if rep:  # the first is a warm-up
+                samples.append(cp.asnumpy(lat).astype(np.float64) / ghz / 1e3)
+        us = np.concatenate(samples)
+        label = f"x written by {how[c['how']].format(u=c['units'])}, " + (
+            "the host waiting between" if c["sync"] else "read by the next launch"
+        )
+        yield label, float(np.median(us)), float(np.percentile(us, 90))
+
+
 def ksplit_bench(mib: int = 1024, reps: int = 5):
     """Yield (label, us a pass, GB/s of the weight's bytes) for the 8B's ffn_down shape in
     Q4_K (4096 rows of 14336) read by columns, 112 blocks of 128 columns (``ksplit``), with and
@@ -991,13 +1077,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--push", action="store_true", help="x brought by a cluster neighbour")
     p.add_argument("--bcast", action="store_true", help="x read by every SM at once")
     p.add_argument("--ksplit", action="store_true", help="a weight read by columns")
+    p.add_argument("--fresh", action="store_true", help="x just written by the launch before")
     args = p.parse_args(argv)
     try:
         import cupy  # noqa: F401
     except ImportError:
         print("stream_bench needs CuPy and an NVIDIA GPU", file=sys.stderr)
         return 2
-    only = {f for f in ("ksplit", "bcast", "push", "burst", "phases") if getattr(args, f)}
+    only = {f for f in ("fresh", "ksplit", "bcast", "push", "burst", "phases") if getattr(args, f)}
 
     def ring_rows():
         for label, rate, timeouts in phase_bench(args.mib, reps=args.reps, quick=args.quick):
@@ -1009,6 +1096,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # (flag, rows, the format of a row): with no flag every section, in this order
     sections = [
+        ("fresh", lambda: x_fresh_bench(args.mib),
+         "x in shared memory: {1:6.2f} us median, {2:6.2f} p90  {0}"),
         ("ksplit", lambda: ksplit_bench(args.mib, args.reps), "{1:8.1f} us  {2:6.0f} GB/s  {0}"),
         ("bcast", lambda: x_bcast_bench(args.mib),
          "x in shared memory: {1:6.2f} us median, {2:6.2f} p90  {0}"),
