@@ -142,11 +142,13 @@
 #define MVQ_PRE2_BITS MVQ_PRE2
 #endif
 
-// The most blocks a launch that writes x may have for its reader to take x's sum of squares
-// from their partial sums (ssq_out / ssq_in below); the host links no bigger launch.
+// MVQ_XWARM (off): a diagnostic of the prologue, bits 1 and 2 (mvq_body, at the wait)
 #ifndef MVQ_XWARM
 #define MVQ_XWARM 0
 #endif
+
+// The most blocks a launch that writes x may have for its reader to take x's sum of squares
+// from their partial sums (ssq_out / ssq_in below); the host links no bigger launch.
 #ifndef MVQ_SSQ_MAX
 #define MVQ_SSQ_MAX 256
 #endif
@@ -815,7 +817,16 @@ __device__ __forceinline__ void mvq_body(
         return jb;
     };
 
-    if (!(MVQ_COR && NT == 1)) pdl_trigger_at(0, pdl_at);
+    // where this launch lets the next one in: pdl_at's point (0 entry, 1 after the wait, 2
+    // main work done), or with MVQ_COR its own (3 x quantized; =2: 1)
+    auto trigger_at = [&](int where) {
+        if constexpr (MVQ_COR && NT == 1) {
+            if (where == (MVQ_COR == 2 ? 1 : 3)) pdl_trigger();
+        } else if (where < 3) {
+            pdl_trigger_at(where, pdl_at);
+        }
+    };
+    trigger_at(0);
     // The weights are constant, so the first job's first iteration of loads goes out now,
     // into registers, while x is read and quantized (and, with dependent launches, while the
     // kernel before still runs). (An L2 prefetch of the warp's first rows besides, 2 or 8 KB
@@ -857,7 +868,9 @@ __device__ __forceinline__ void mvq_body(
         for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x)
             s_cs[i] = rope_cs(p_f, i, ra.theta_scale, ra.freq_scale);
     }
-#if MVQ_XWARM & 1  // (declared here, outside the passes)
+// (with MVQ_XWARM's passes declared before them; otherwise after the wait, as before:
+// declaring them here in every build moves the default's register allocation)
+#if MVQ_XWARM & 1
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
     int* ss = (int*)(sd + n * nb32);
@@ -897,8 +910,7 @@ __device__ __forceinline__ void mvq_body(
 #if MVQ_TRACE
     tr_x1 = 0;
 #endif
-    if (!(MVQ_COR && NT == 1)) pdl_trigger_at(1, pdl_at);
-    if (MVQ_COR == 2 && NT == 1) pdl_trigger();
+    trigger_at(1);
 #if MVQ_XWARM & 1
     }
 #endif
@@ -974,7 +986,7 @@ __device__ __forceinline__ void mvq_body(
 #endif
     __syncthreads();
     MVQ_TR(tr_2);
-    if (MVQ_COR == 1 && NT == 1) pdl_trigger();
+    trigger_at(3);
 
     XQ x0 = {sq, sd, ss};
     const int crow = ROPE ? *ra.start : 0;
@@ -1119,7 +1131,7 @@ __device__ __forceinline__ void mvq_body(
         }
         ssq_epilogue();
         MVQ_TR_END();
-        if (!(MVQ_COR && NT == 1)) pdl_trigger_at(2, pdl_at);
+        trigger_at(2);
         return;
     }
 #endif
@@ -1132,7 +1144,7 @@ __device__ __forceinline__ void mvq_body(
     for (; j < n_jobs; j += job_step) run_job(job_at(j), BoolC<false>{});
     ssq_epilogue();
     MVQ_TR_END();
-    if (!(MVQ_COR && NT == 1)) pdl_trigger_at(2, pdl_at);
+    trigger_at(2);
 }
 
 #ifndef RING_BUILD  // ring.cu builds the code above without the kernels
@@ -1181,11 +1193,8 @@ extern "C" __global__ void __launch_bounds__(MVQ_SMALL_WARPS * 32, MVQ_SMALL_BLO
 
 // one token of a wide x (the feed-forward's down matrix): x's loads four rounds at a time, in
 // a kernel of its own so that the registers this takes don't weigh on the others
-#ifndef MVQ_WIDE_XB
-#define MVQ_WIDE_XB 4
-#endif
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_wide(MVQ_PARAMS) {
-    mvq_body<1, MVQ_WIDE_XB, false, MVQ_WARPS>(MVQ_ARGS);
+    mvq_body<1, 4, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 // one token's Q, K and V with RoPE and the KV cache write (ROPE above)
