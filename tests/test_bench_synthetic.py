@@ -66,24 +66,28 @@ def test_trace_report_orders_launches_and_takes_each_kinds_medians():
     assert abs(down[7] - (23.0 - 20.003)) < 0.01
 
 
-def test_prologue_report_splits_each_kinds_prologue_in_four():
-    """``--trace``'s prologue table: mmvq.cu's two inner times between the wait and the
+def test_prologue_report_splits_each_kinds_prologue_in_five():
+    """``--trace``'s prologue table: mmvq.cu's three inner times between the wait and the
     first unit, medians by kind; a time not taken (0) counts for nothing."""
     from picollama.backends.cuda.bench_synthetic import prologue_report
 
     ns = 1000
-    rows = []  # (first weight, ids, entry, wait, x quantized, first unit, done, x1, issued)
+    rows = []  # (first weight, ids, entry, wait, x quantized, first unit, done, x1, issued,
+    # x's first loads in)
     for w, extra in enumerate((0, 1, 2)):  # three warps, the middle one the median
-        wait, x1, xq, issued, first = 10, 12 + extra, 15 + extra, 16 + extra, 19 + 2 * extra
+        wait, xl, x1, xq, issued = 10, 11 + extra, 12 + extra, 15 + extra, 16 + extra
+        first = 19 + 2 * extra
         rows.append(
-            [0xA0, w << 16, 0, wait * ns, xq * ns, first * ns, 30 * ns, x1 * ns, issued * ns]
-        )
-    rows.append([0xB0, 0, 0, 5 * ns, 8 * ns, 0, 9 * ns, 6 * ns, 0])  # no next unit, no first
+            [0xA0, w << 16, 0, wait * ns, xq * ns, first * ns, 30 * ns, x1 * ns, issued * ns,
+             xl * ns]
+        )  # fmt: skip
+    rows.append([0xB0, 0, 0, 5 * ns, 8 * ns, 0, 9 * ns, 6 * ns, 0, 0])  # no next unit, no first
     lines = prologue_report(np.array(rows, dtype=np.uint64), {0xA0: "gate+up", 0xB0: "small"})
     table = {line.split(" | ")[0]: line.split(" | ")[1:] for line in lines[1:]}
-    assert np.allclose([float(v) for v in table["gate+up"]], [3.0, 3.0, 1.0, 4.0])
+    assert np.allclose([float(v) for v in table["gate+up"]], [2.0, 1.0, 3.0, 1.0, 4.0])
     small = [float(v) for v in table["small"]]
-    assert np.allclose(small[:2], [1.0, 2.0]) and np.isnan(small[2]) and np.isnan(small[3])
+    assert np.isnan(small[0]) and np.isnan(small[1])  # its loads' time not taken
+    assert np.allclose(small[2], 2.0) and np.isnan(small[3]) and np.isnan(small[4])
 
 
 def test_ring_wait_report_takes_each_kinds_medians_over_blocks_and_phases():

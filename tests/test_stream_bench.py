@@ -147,6 +147,30 @@ def test_x_fresh_bench_checks_x_and_times_every_case_on_a_gpu():
         assert 0 < med <= p90 < 1e4, label
 
 
+def test_x_pdl_cases_set_each_wait_beside_a_plain_launch():
+    from picollama.backends.cuda.stream_bench import x_pdl_cases
+
+    cases = x_pdl_cases()
+    assert {c["wait"] for c in cases} == {"plain", "pdl", "count"}
+    assert all(c["units"] or not c["landed"] for c in cases)  # only a unit sent can land
+    assert {(c["units"], c["landed"]) for c in cases if c["wait"] == "pdl"} == {
+        (0, 0),
+        (1, 0),
+        (1, 1),
+    }  # nothing ahead, a unit in flight, a unit landed
+    assert len({tuple(sorted(c.items())) for c in cases}) == len(cases)
+
+
+def test_x_pdl_bench_checks_x_and_times_every_case_on_a_gpu():
+    _gpu()
+    from picollama.backends.cuda.stream_bench import x_pdl_bench, x_pdl_cases
+
+    rows = list(x_pdl_bench(mib=256, reps=2))  # raises where a reader saw x before the writer's
+    assert len(rows) == len(x_pdl_cases())
+    for label, med, p90 in rows:
+        assert 0 < med <= p90 < 1e4, label
+
+
 def test_ksplit_bench_times_the_column_split_and_its_reference_on_a_gpu():
     _gpu()
     from picollama.backends.cuda.stream_bench import ksplit_bench
@@ -166,8 +190,8 @@ def test_main_prints_the_sections_asked_for_and_every_one_without_a_flag(monkeyp
     import picollama.backends.cuda.stream_bench as sb
 
     monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
-    names = ["x_fresh_bench", "ksplit_bench", "x_bcast_bench", "x_push_bench", "burst_bench",
-             "phase_bench", "x_behind_bench", "stream_bench"]  # fmt: skip
+    names = ["x_pdl_bench", "x_fresh_bench", "ksplit_bench", "x_bcast_bench", "x_push_bench",
+             "burst_bench", "phase_bench", "x_behind_bench", "stream_bench"]  # fmt: skip
     for name in names:
         third = 0 if name == "phase_bench" else 1.0
         monkeypatch.setattr(sb, name, lambda *a, _n=name, _t=third, **k: iter([(_n, 1.0, _t)]))
@@ -180,4 +204,5 @@ def test_main_prints_the_sections_asked_for_and_every_one_without_a_flag(monkeyp
     assert printed(["--burst"]) == ["burst_bench"]
     assert printed(["--push", "--phases"]) == ["x_push_bench", "phase_bench"]
     assert printed(["--fresh"]) == ["x_fresh_bench"]
+    assert printed(["--pdl"]) == ["x_pdl_bench"]
     assert printed([]) == names

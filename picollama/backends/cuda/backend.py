@@ -425,6 +425,8 @@ class _DependentLauncher:
             return ctypes.c_int64(int(a))
         if isinstance(a, np.float32):
             return ctypes.c_float(float(a))
+        if isinstance(a, np.uint32):
+            return ctypes.c_uint32(int(a))
         if isinstance(a, np.uint64):  # a null pointer
             return ctypes.c_uint64(int(a))
         if hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array

@@ -378,12 +378,13 @@ def trace_step(path: str, show: int = 10) -> list[str]:
     ctx.eval(rng.integers(0, ctx.n_vocab, size=8).tolist())
     for tok in rng.integers(0, ctx.n_vocab, size=4).tolist():  # records, then replays
         ctx.eval([tok])
-    # (module, its records, their counter, records at most, their width): mmvq.cu's (two
-    # more columns: x's first round quantized, the next unit's loads issued), and ring.cu's
+    # (module, its records, their counter, records at most, their width): mmvq.cu's (three
+    # more columns: x's first round quantized, the next unit's loads issued, x's first
+    # round's loads in registers), and ring.cu's
     # (a record a block and phase, its kinds named "ring: ...", two more columns: the
     # phase's waits for landed stages and for free slots)
     mods = [
-        (k.module, "mvq_trace", "mvq_trace_n", 262144, 9)  # mmvq.cu's MVQ_TRACE_CAP
+        (k.module, "mvq_trace", "mvq_trace_n", 262144, 10)  # mmvq.cu's MVQ_TRACE_CAP
         for q, k in backend._quant_mods.items()
         if q in layout.Q8DOT_TYPES
     ]
@@ -430,21 +431,24 @@ def _kind_names(rec: np.ndarray, kinds: dict[int, str]) -> np.ndarray:
 
 
 def prologue_report(rec: np.ndarray, kinds: dict[int, str]) -> list[str]:
-    """A launch's prologue in four parts, from mmvq.cu's records (columns 3-5: wait done, x
+    """A launch's prologue in five parts, from mmvq.cu's records (columns 3-5: wait done, x
     quantized, first unit; 7: x's first round of loads quantized; 8: the next unit's loads
-    issued in the pipe's first step): medians over the warps of each kind's launches (us).
-    The first part is x's loads behind the weights in flight; the third, a warp held up
-    issuing loads; the fourth, the first unit's weights still on their way (or its dots)."""
+    issued in the pipe's first step; 9: the first round's loads in registers): medians over
+    the warps of each kind's launches (us). The first part is x's loads in flight (behind
+    the weights in flight), the second its first round's arithmetic; the fourth, a warp
+    held up issuing loads; the fifth, the first unit's weights still on their way (or its
+    dots)."""
     out = [
-        "kind | wait->x's first round quantized | ->x quantized | ->next unit's loads issued"
-        " | ->first unit (us, medians)"
+        "kind | wait->x's first loads in | ->first round quantized | ->x quantized"
+        " | ->next unit's loads issued | ->first unit (us, medians)"
     ]
     t = rec.astype(np.float64)
     t[rec == 0] = np.nan  # a time not taken (no first round, no next unit)
     names = _kind_names(rec, kinds)
     for kind in dict.fromkeys(names.tolist()):
         r = t[names == kind]
-        parts = (r[:, 7] - r[:, 3], r[:, 4] - r[:, 7], r[:, 8] - r[:, 4], r[:, 5] - r[:, 8])
+        parts = (r[:, 9] - r[:, 3], r[:, 7] - r[:, 9], r[:, 4] - r[:, 7], r[:, 8] - r[:, 4],
+                 r[:, 5] - r[:, 8])  # fmt: skip
         with warnings.catch_warnings():  # all-NaN parts (no warp had a next unit) stay NaN
             warnings.simplefilter("ignore", RuntimeWarning)
             cols = " | ".join(f"{np.nanmedian(p) / 1000:6.2f}" for p in parts)

@@ -142,6 +142,14 @@
 #define MVQ_PRE2_BITS MVQ_PRE2
 #endif
 
+// MVQ_NORMPRE (off): the one-token normed launches' norm_w before the wait, sent ahead of
+// the first unit's loads: bit 1, an L2 prefetch of the lines of its first round; bit 2,
+// that round's values into registers. (The trace's x loads took 2.0-2.3 us after the wait
+// in Q/K/V and gate + up, 0.5-0.8 in the launches without norm: norm_w, read once a token,
+// comes from memory behind the weights in flight; NOTES run 40.)
+#ifndef MVQ_NORMPRE
+#define MVQ_NORMPRE 0
+#endif
 // MVQ_XWARM (off): a diagnostic of the prologue, bits 1 and 2 (mvq_body, at the wait)
 #ifndef MVQ_XWARM
 #define MVQ_XWARM 0
@@ -158,13 +166,14 @@
 // wait done, x quantized, its first unit multiplied, done; with the first weight's address,
 // the block, the warp and the SM; then two times inside the prologue: x's first round of
 // loads quantized, and the next unit's loads issued in the pipe's first step (before its
-// first unit is multiplied). Slots are taken in order of finishing, up to MVQ_TRACE_CAP.
+// first unit is multiplied); and when the first round's loads of x (and norm_w, ssq_in)
+// are in registers. Slots are taken in order of finishing, up to MVQ_TRACE_CAP.
 #ifndef MVQ_TRACE
 #define MVQ_TRACE 0
 #endif
 #if MVQ_TRACE
 #define MVQ_TRACE_CAP 262144
-__device__ unsigned long long mvq_trace[MVQ_TRACE_CAP][9];
+__device__ unsigned long long mvq_trace[MVQ_TRACE_CAP][10];
 __device__ unsigned int mvq_trace_n;
 __device__ __forceinline__ unsigned long long mvq_gtimer() {
     unsigned long long t;
@@ -179,6 +188,10 @@ __device__ __forceinline__ unsigned long long mvq_gtimer() {
     if (tr_x1 == 0) tr_x1 = mvq_gtimer()
 #define MVQ_TR_ISSUED() \
     if (tr_f == 0) tr_i = mvq_gtimer()
+// the time once `dep` (a sum of the round's loaded values) is in a register: the asm's
+// operand makes the timer read wait for the loads
+#define MVQ_TR_LANDED(dep) \
+    if (tr_xl == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(tr_xl) : "f"(dep))
 #define MVQ_TR_END()                                                                       \
     do {                                                                                   \
         if (lane == 0) {                                                                   \
@@ -191,7 +204,7 @@ __device__ __forceinline__ unsigned long long mvq_gtimer() {
                 r[1] = blockIdx.x | ((unsigned long long)warp << 16) |                     \
                        ((unsigned long long)smid << 24);                                   \
                 r[2] = tr_0, r[3] = tr_1, r[4] = tr_2, r[5] = tr_f, r[6] = mvq_gtimer();    \
-                r[7] = tr_x1, r[8] = tr_i;                                                 \
+                r[7] = tr_x1, r[8] = tr_i, r[9] = tr_xl;                                   \
             }                                                                              \
         }                                                                                  \
     } while (0)
@@ -201,6 +214,7 @@ __device__ __forceinline__ unsigned long long mvq_gtimer() {
 #define MVQ_TR_FIRST()
 #define MVQ_TR_X1()
 #define MVQ_TR_ISSUED()
+#define MVQ_TR_LANDED(dep)
 #define MVQ_TR_END()
 #endif
 
@@ -767,7 +781,7 @@ __device__ __forceinline__ void mvq_body(
 #endif
     MVQ_TR(tr_0);
 #if MVQ_TRACE
-    unsigned long long tr_f = 0, tr_x1 = 0, tr_i = 0;
+    unsigned long long tr_f = 0, tr_x1 = 0, tr_i = 0, tr_xl = 0;
 #endif
     __shared__ double red[W];
     __shared__ float s_scale[NT];
@@ -827,6 +841,25 @@ __device__ __forceinline__ void mvq_body(
         }
     };
     trigger_at(0);
+#if MVQ_NORMPRE
+    // norm_w's first round (MVQ_NORMPRE above), as the loop below indexes it with n = 1
+    float4 g0[XB];
+#pragma unroll
+    for (int r = 0; r < XB; r++) g0[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (NT == 1 && norm) {
+#pragma unroll
+        for (int r = 0; r < XB; r++) {
+            const int i4 = r * W * 32 + threadIdx.x;
+            if (i4 < k / 4) {
+                if constexpr ((MVQ_NORMPRE & 2) != 0) {
+                    g0[r] = __ldg((const float4*)(norm_w + 4 * i4));
+                } else if ((threadIdx.x & 7) == 0) {  // a 128-byte line each
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(norm_w + 4 * i4));
+                }
+            }
+        }
+    }
+#endif
     // The weights are constant, so the first job's first iteration of loads goes out now,
     // into registers, while x is read and quantized (and, with dependent launches, while the
     // kernel before still runs). (An L2 prefetch of the warp's first rows besides, 2 or 8 KB
@@ -908,7 +941,7 @@ __device__ __forceinline__ void mvq_body(
     pdl_wait();
     MVQ_TR_SET(tr_1);
 #if MVQ_TRACE
-    tr_x1 = 0;
+    tr_x1 = 0, tr_xl = 0;
 #endif
     trigger_at(1);
 #if MVQ_XWARM & 1
@@ -962,6 +995,11 @@ __device__ __forceinline__ void mvq_body(
             int j = 4 * i4 - t * k;
             xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
+#if MVQ_NORMPRE & 2
+            if (NT == 1 && base0 == 0) {
+                gv[r] = g0[r];  // loaded before the wait
+            } else  // (the line below)
+#endif
             if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
         }
         if (ssq && base0 == 0) {  // the same sum, bit for bit, in every lane of every block
@@ -970,6 +1008,7 @@ __device__ __forceinline__ void mvq_body(
             for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) v += sl[u];
             ssq_scale = rms_scale(warp_sum_d(v), k, eps);  // block_rms_scale's float32 steps
         }
+        MVQ_TR_LANDED(xv[XB - 1].w + gv[XB - 1].w + ssq_scale);
 #pragma unroll
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;

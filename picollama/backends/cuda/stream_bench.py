@@ -60,6 +60,8 @@ __all__ = [
     "x_behind_bench",
     "x_fresh_bench",
     "x_fresh_cases",
+    "x_pdl_bench",
+    "x_pdl_cases",
     "x_push_bench",
     "x_push_cases",
 ]
@@ -340,10 +342,24 @@ extern "C" __global__ void x_bcast(const uint4* __restrict__ w, u64 w16,
 // matvecs write their outputs; how 2, as 1, each row after the warp has read `units` units
 // of 3 KB of weights (the row's dot: the weights stream through L2 while x is written).
 // x[i] = stamp + i, so a reader's values are known.
-extern "C" __global__ void x_fresh_write(const uint4* __restrict__ w, u64 w16, float* x, int xw,
-                                         int how, int units, float stamp, u32* out) {
+// rows gw, gw + the grid's warps, ... of x, each after the warp has read `units` units of 3
+// KB of weights (the row's dot), lane 0 storing its 4 bytes: x[r] = stamp + r
+__device__ __forceinline__ void write_x_rows(const uint4* __restrict__ w, u64 w16, float* x,
+                                             int xw, int units, float stamp) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
     const u64 gw = (u64)blockIdx.x * W + warp, n_warps = (u64)gridDim.x * W;
+    u32 acc = 0;
+    for (u64 r = gw; r < (u64)xw; r += n_warps) {
+        for (int u = 0; u < units; u++) {
+            uint4 q[6];
+            load_unit3k(w, w16, r * units + u, lane, q);
+            for (int v = 0; v < 6; v++) acc ^= fold(q[v]);
+        }
+        if (lane == 0) x[r] = stamp + (float)r + (acc == 0x9e3779b9u ? 1.f : 0.f);
+    }
+}
+extern "C" __global__ void x_fresh_write(const uint4* __restrict__ w, u64 w16, float* x, int xw,
+                                         int how, int units, float stamp, u32* out) {
     if (how == 0) {
         const u64 step = (u64)gridDim.x * blockDim.x;
         for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (u64)xw / 4; i += step) {
@@ -352,15 +368,7 @@ extern "C" __global__ void x_fresh_write(const uint4* __restrict__ w, u64 w16, f
         }
         return;
     }
-    u32 acc = 0;
-    for (u64 r = gw; r < (u64)xw; r += n_warps) {
-        for (int u = 0; u < (how == 2 ? units : 0); u++) {
-            uint4 q[6];
-            load_unit3k(w, w16, r * units + u, lane, q);
-            for (int v = 0; v < 6; v++) acc ^= fold(q[v]);
-        }
-        if (lane == 0) x[r] = stamp + (float)r + (acc == 0x9e3779b9u ? 1.f : 0.f);
-    }
+    write_x_rows(w, w16, x, xw, how == 2 ? units : 0, stamp);
 }
 
 extern "C" __global__ void __cluster_dims__(4, 1, 1)
@@ -635,6 +643,99 @@ extern "C" __global__ void phase_ring(const u8* __restrict__ src, const u64* __r
     }
     if (acc == 0x7fffffff) out[0] = (u32)acc;
 }
+
+// x after a launch's wait, as the one-token matvecs read it (the question: does the
+// dependent-launch wait itself make x slow to come?). x_pdl_write writes x as the matvecs
+// do (a row a warp, lane 0's 4-byte store, after `units` units of 3 KB of weights a row),
+// lets its dependents in at entry, and at its end counts each block done on *count (after
+// a fence: a release). x_pdl_read: one block an SM, 16 warps; every warp first sends
+// `units` units of 3 KB (a preload; with `landed` it waits for them before its wait, so
+// its SM has nothing in flight), then waits: wait 0 by griddepcontrol.wait (a no-op
+// without the dependent-launch attribute: the plain launch after the writer), 1 by
+// spinning on *count until it reaches `target` (an acquire); then loads x (every SM the
+// same xw floats, all of a thread's loads in flight; ldcg 1: through L2 only) into shared
+// memory, checked against the writer's stamp. lat[2 b]: globaltimer ns from the wait's
+// end to x in shared memory, lat[2 b + 1]: clock cycles for the same; tw[b]: the wait's
+// end (globaltimer); we[b]: writer block b's end.
+__device__ __forceinline__ u64 gtimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    return t;
+}
+extern "C" __global__ void x_pdl_write(const uint4* __restrict__ w, u64 w16, float* x, int xw,
+                                       int units, float stamp, u32* count, u64* we, u32* out) {
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+    write_x_rows(w, w16, x, xw, units, stamp);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicAdd(count, 1u);
+        we[blockIdx.x] = gtimer();
+    }
+}
+extern "C" __global__ void x_pdl_read(const uint4* __restrict__ w, u64 w16,
+                                      const float* __restrict__ x, int xw, int units, int landed,
+                                      int wait, int ldcg, const u32* count, u32 target,
+                                      float stamp, u64* lat, u64* tw, u32* out) {
+    extern __shared__ __align__(128) float xs[];  // xw floats
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+    const u64 gw = (u64)blockIdx.x * W + warp;
+    uint4 r[6];
+    for (int i = 0; i < 6; i++) r[i] = make_uint4(0, 0, 0, 0);
+    u32 acc = 0;
+    if (units) load_unit3k(w, w16, gw, lane, r);
+    if (landed) {  // use them now: the warp stalls until they are in
+        for (int i = 0; i < 6; i++) acc ^= fold(r[i]);
+        if (acc == 0x9e3779b9u) out[0] = acc;
+    }
+    if (wait == 0) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+    } else {
+        long long spins = 0;
+        while (ld_acquire(count) < target && ++spins < (1ll << 26)) {
+        }
+        if (spins >= (1ll << 26)) atomicExch(out + 1, 1u);  // the count never came
+    }
+    const u64 g0 = gtimer();
+    u64 c0;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c0)::"memory");
+    const float4* src = (const float4*)x;
+    const int n4 = xw / 4;
+    float4 v[4];
+    for (int i0 = 0; i0 < n4; i0 += 4 * (int)blockDim.x) {
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + u * blockDim.x + threadIdx.x;
+            if (i < n4) {
+                if (ldcg) {
+                    const uint4 q = ld_cg16(src + i);
+                    v[u] = make_float4(__uint_as_float(q.x), __uint_as_float(q.y),
+                                       __uint_as_float(q.z), __uint_as_float(q.w));
+                } else {
+                    v[u] = __ldg(src + i);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + u * blockDim.x + threadIdx.x;
+            if (i < n4) ((float4*)xs)[i] = v[u];
+        }
+    }
+    __syncthreads();
+    const u64 g1 = gtimer();
+    u64 c1;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c1)::"memory");
+    for (int i = 0; i < 6; i++) acc ^= fold(r[i]);
+    const int j = (threadIdx.x * 7) % xw;
+    if (xs[j] != stamp + (float)j) atomicExch(out + 2, 1u);  // x not yet the writer's
+    if (threadIdx.x == 0) {
+        lat[2 * blockIdx.x] = g1 - g0;
+        lat[2 * blockIdx.x + 1] = c1 - c0;
+        tw[blockIdx.x] = g0;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
 """
 )
 
@@ -908,6 +1009,94 @@ def x_fresh_bench(mib: int = 1024):
         yield label, float(np.median(us)), float(np.percentile(us, 90))
 
 
+def x_pdl_cases() -> list[dict]:
+    """x_pdl_bench's cases: how the reader waits for the writer (plain: a launch after it;
+    pdl: the dependent-launch wait; count: a spin on the writer's block count), whether a
+    unit of weights a warp is in flight at the wait (``units``) or has landed before it
+    (``landed``), and whether x comes through L2 only (``ldcg``)."""
+    return [
+        {"wait": "plain", "units": 0, "landed": 0, "ldcg": 0},
+        {"wait": "pdl", "units": 0, "landed": 0, "ldcg": 0},
+        {"wait": "pdl", "units": 1, "landed": 0, "ldcg": 0},
+        {"wait": "pdl", "units": 1, "landed": 1, "ldcg": 0},
+        {"wait": "pdl", "units": 0, "landed": 0, "ldcg": 1},
+        {"wait": "count", "units": 0, "landed": 0, "ldcg": 1},
+        {"wait": "count", "units": 1, "landed": 1, "ldcg": 1},
+        {"wait": "count", "units": 1, "landed": 0, "ldcg": 1},
+    ]
+
+
+def x_pdl_bench(mib: int = 1024, reps: int = 5):
+    """Yield (label, median, 90th percentile) microseconds from the end of a reader's wait
+    to x (4096 floats, every SM the same) in its shared memory, the reader launched right
+    after x_pdl_write (8 units of 3 KB of weights a row, 100 MB, then the row's value: the
+    matvecs' way), by globaltimer, then the same by clock cycles; and the median from the
+    writer's last block's end to the reader's wait done. The trace's first round of x takes
+    1.5-2.8 us after the kernels' dependent-launch wait (NOTES run 40) where x_fresh's x,
+    read by a plain launch, takes 0.4: is it the wait?"""
+    from picollama.backends.cuda.backend import _DependentLauncher
+
+    cp, mod, n_sm, _, w, _ = _setup(mib)
+    write, read = mod.get_function("x_pdl_write"), mod.get_function("x_pdl_read")
+    ghz = _sm_ghz(cp, mod, cp.zeros((1,), dtype=cp.uint32))
+    xw, units_w = 4096, 8
+    read.max_dynamic_shared_size_bytes = xw * 4
+    x = cp.zeros((xw,), dtype=cp.float32)
+    count = cp.zeros((1,), dtype=cp.uint32)
+    out = cp.zeros((3,), dtype=cp.uint32)
+    lat = cp.zeros((2 * n_sm,), dtype=cp.uint64)
+    tw, we = cp.zeros((n_sm,), dtype=cp.uint64), cp.zeros((n_sm,), dtype=cp.uint64)
+    stream = cp.cuda.Stream(non_blocking=True)
+    pdl = _DependentLauncher()
+    pdl.stream = stream.ptr
+    w16 = np.uint64(w.size // 16)
+    launches = 0
+    for c in x_pdl_cases():
+        ns, cyc, gap = [], [], []
+        for rep in range(reps + 1):
+            stamp = np.float32(1000.0 * (rep + 1))
+            wargs = (w, w16, x, np.int32(xw), np.int32(units_w), stamp, count, we, out)
+            launches += 1
+            target = np.uint32(launches * n_sm)
+            rargs = (w, w16, x, *map(np.int32, (xw, c["units"], c["landed"])),
+                     np.int32(c["wait"] == "count"), np.int32(c["ldcg"]), count, target,
+                     stamp, lat, tw, out)  # fmt: skip
+            with stream:
+                write((n_sm,), (512,), wargs)
+                if c["wait"] != "plain":  # count: resident early, its own wait
+                    pdl.launch(read, (n_sm,), (512,), rargs, xw * 4, stream.ptr)
+                else:
+                    read((n_sm,), (512,), rargs, shared_mem=xw * 4)
+            stream.synchronize()
+            flags = cp.asnumpy(out)
+            if flags[1] or flags[2]:
+                raise RuntimeError(
+                    f"x_pdl_read ({c}): "
+                    + ("the count never came" if flags[1] else "x read before the writer's")
+                )
+            if rep:  # the first is a warm-up
+                got = cp.asnumpy(lat).reshape(n_sm, 2).astype(np.float64)
+                ns.append(got[:, 0] / 1e3)
+                cyc.append(got[:, 1] / ghz / 1e3)
+                gap.append(
+                    float(
+                        np.median(cp.asnumpy(tw).astype(np.int64))
+                        - cp.asnumpy(we).astype(np.int64).max()
+                    )
+                    / 1e3
+                )
+        what = {"plain": "a plain launch after the writer", "pdl": "the dependent-launch wait",
+                "count": "a spin on the writer's block count"}[c["wait"]]  # fmt: skip
+        if c["units"]:
+            what += ", a unit a warp " + ("landed before it" if c["landed"] else "in flight")
+        if c["ldcg"]:
+            what += ", x through L2 only"
+        t, k = np.concatenate(ns), np.concatenate(cyc)
+        ends = f"writer's end -> wait done {np.median(gap):5.2f} us"
+        label = f"{what} ({ends}; by clock {np.median(k):5.2f} us)"
+        yield label, float(np.median(t)), float(np.percentile(t, 90))
+
+
 def ksplit_bench(mib: int = 1024, reps: int = 5):
     """Yield (label, us a pass, GB/s of the weight's bytes) for the 8B's ffn_down shape in
     Q4_K (4096 rows of 14336) read by columns, 112 blocks of 128 columns (``ksplit``), with and
@@ -1078,13 +1267,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bcast", action="store_true", help="x read by every SM at once")
     p.add_argument("--ksplit", action="store_true", help="a weight read by columns")
     p.add_argument("--fresh", action="store_true", help="x just written by the launch before")
+    p.add_argument("--pdl", action="store_true", help="x after the dependent-launch wait")
     args = p.parse_args(argv)
     try:
         import cupy  # noqa: F401
     except ImportError:
         print("stream_bench needs CuPy and an NVIDIA GPU", file=sys.stderr)
         return 2
-    only = {f for f in ("fresh", "ksplit", "bcast", "push", "burst", "phases") if getattr(args, f)}
+    only = {
+        f
+        for f in ("pdl", "fresh", "ksplit", "bcast", "push", "burst", "phases")
+        if getattr(args, f)
+    }
 
     def ring_rows():
         for label, rate, timeouts in phase_bench(args.mib, reps=args.reps, quick=args.quick):
@@ -1096,6 +1290,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # (flag, rows, the format of a row): with no flag every section, in this order
     sections = [
+        ("pdl", lambda: x_pdl_bench(args.mib, args.reps),
+         "x in shared memory: {1:6.2f} us median, {2:6.2f} p90  {0}"),
         ("fresh", lambda: x_fresh_bench(args.mib),
          "x in shared memory: {1:6.2f} us median, {2:6.2f} p90  {0}"),
         ("ksplit", lambda: ksplit_bench(args.mib, args.reps), "{1:8.1f} us  {2:6.0f} GB/s  {0}"),
