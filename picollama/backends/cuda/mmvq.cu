@@ -142,18 +142,6 @@
 #define MVQ_PRE2_BITS MVQ_PRE2
 #endif
 
-// MVQ_NORMPRE (off): the one-token normed launches' norm_w before the wait, sent ahead of
-// the first unit's loads: bit 1, an L2 prefetch of the lines of its first round; bit 2,
-// that round's values into registers. (The trace's x loads took 2.0-2.3 us after the wait
-// in Q/K/V and gate + up, 0.5-0.8 in the launches without norm: norm_w, read once a token,
-// comes from memory behind the weights in flight; NOTES run 40.)
-#ifndef MVQ_NORMPRE
-#define MVQ_NORMPRE 0
-#endif
-// MVQ_XWARM (off): a diagnostic of the prologue, bits 1 and 2 (mvq_body, at the wait)
-#ifndef MVQ_XWARM
-#define MVQ_XWARM 0
-#endif
 
 // The most blocks a launch that writes x may have for its reader to take x's sum of squares
 // from their partial sums (ssq_out / ssq_in below); the host links no bigger launch.
@@ -171,6 +159,11 @@
 #ifndef MVQ_TRACE
 #define MVQ_TRACE 0
 #endif
+// MVQ_TRACE_DEP: which of the first round's loads its time waits for (bits: 1 x, 2 norm_w,
+// 4 ssq_in, through the norm's scale)
+#ifndef MVQ_TRACE_DEP
+#define MVQ_TRACE_DEP 7
+#endif
 #if MVQ_TRACE
 #define MVQ_TRACE_CAP 262144
 __device__ unsigned long long mvq_trace[MVQ_TRACE_CAP][10];
@@ -181,7 +174,6 @@ __device__ __forceinline__ unsigned long long mvq_gtimer() {
     return t;
 }
 #define MVQ_TR(name) const unsigned long long name = mvq_gtimer()
-#define MVQ_TR_SET(name) name = mvq_gtimer()
 #define MVQ_TR_FIRST() \
     if (tr_f == 0) tr_f = mvq_gtimer()
 #define MVQ_TR_X1() \
@@ -210,7 +202,6 @@ __device__ __forceinline__ unsigned long long mvq_gtimer() {
     } while (0)
 #else
 #define MVQ_TR(name)
-#define MVQ_TR_SET(name)
 #define MVQ_TR_FIRST()
 #define MVQ_TR_X1()
 #define MVQ_TR_ISSUED()
@@ -841,25 +832,6 @@ __device__ __forceinline__ void mvq_body(
         }
     };
     trigger_at(0);
-#if MVQ_NORMPRE
-    // norm_w's first round (MVQ_NORMPRE above), as the loop below indexes it with n = 1
-    float4 g0[XB];
-#pragma unroll
-    for (int r = 0; r < XB; r++) g0[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (NT == 1 && norm) {
-#pragma unroll
-        for (int r = 0; r < XB; r++) {
-            const int i4 = r * W * 32 + threadIdx.x;
-            if (i4 < k / 4) {
-                if constexpr ((MVQ_NORMPRE & 2) != 0) {
-                    g0[r] = __ldg((const float4*)(norm_w + 4 * i4));
-                } else if ((threadIdx.x & 7) == 0) {  // a 128-byte line each
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(norm_w + 4 * i4));
-                }
-            }
-        }
-    }
-#endif
     // The weights are constant, so the first job's first iteration of loads goes out now,
     // into registers, while x is read and quantized (and, with dependent launches, while the
     // kernel before still runs). (An L2 prefetch of the warp's first rows besides, 2 or 8 KB
@@ -901,53 +873,10 @@ __device__ __forceinline__ void mvq_body(
         for (int i = threadIdx.x; i < (ra.n_rot >> 1); i += blockDim.x)
             s_cs[i] = rope_cs(p_f, i, ra.theta_scale, ra.freq_scale);
     }
-// (with MVQ_XWARM's passes declared before them; otherwise after the wait, as before:
-// declaring them here in every build moves the default's register allocation)
-#if MVQ_XWARM & 1
-    signed char* sq = (signed char*)mvq_smem;
-    float* sd = (float*)(sq + n * k);
-    int* ss = (int*)(sd + n * nb32);
-    // ssq_in (one token, with norm): the sum of x's squares comes from the launch that wrote
-    // x, one partial sum a block of it (ssq_n of them, at most MVQ_SSQ_MAX): loaded beside x
-    // in its first round, so the norm costs no round trip and no block barrier of its own
-    // (not in the wide-x kernel, XB 4, whose registers it would spill: no normed x is wide)
-    const bool ssq = NT == 1 && XB <= 2 && norm && ssq_in != nullptr;
-#endif
-#if MVQ_TRACE
-    unsigned long long tr_1 = 0;
-#endif
-    // MVQ_XWARM (off; a diagnostic of the prologue): bit 1, x's read, norm and quantization
-    // run twice, first before the wait with every load and store predicated off (the same
-    // instructions on zeros: only their fetch into the instruction caches), then on x; bit 2,
-    // before the wait lane 0 of each warp sends an L2 prefetch of x's, norm_w's and ssq_in's
-    // first lines (L2 is where the writer's stores go, so a line fetched early is still
-    // current; the prefetch walks their pages' translations into this SM's TLB)
-#if MVQ_XWARM & 2
-    if (NT == 1 && lane == 0) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(x));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(norm_w));
-        if (ssq_in != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(ssq_in));
-    }
-#endif
-#if MVQ_XWARM & 1
-    const int warm_passes = NT == 1 ? 2 : 1;
-#pragma unroll 1
-    for (int pass = 2 - warm_passes; pass < 2; pass++) {
-    const bool live = pass == 1;
-    if (live) {
-#else
-    constexpr bool live = true;
-#endif
     pdl_wait();
-    MVQ_TR_SET(tr_1);
-#if MVQ_TRACE
-    tr_x1 = 0, tr_xl = 0;
-#endif
+    MVQ_TR(tr_1);
     trigger_at(1);
-#if MVQ_XWARM & 1
-    }
-#endif
-#if !(MVQ_XWARM & 1)
+
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
     int* ss = (int*)(sd + n * nb32);
@@ -956,7 +885,6 @@ __device__ __forceinline__ void mvq_body(
     // in its first round, so the norm costs no round trip and no block barrier of its own
     // (not in the wide-x kernel, XB 4, whose registers it would spill: no normed x is wide)
     const bool ssq = NT == 1 && XB <= 2 && norm && ssq_in != nullptr;
-#endif
 
     if (norm && !ssq) {
         for (int t = 0; t < n; t++) {
@@ -964,7 +892,7 @@ __device__ __forceinline__ void mvq_body(
             double acc = 0.0;
 #pragma unroll 4
             for (int j = threadIdx.x; j < k / 4; j += W * 32) {
-                float4 v = live ? __ldg(xt + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+                float4 v = __ldg(xt + j);
                 acc += (double)v.x * v.x + (double)v.y * v.y;
                 acc += (double)v.z * v.z + (double)v.w * v.w;
             }
@@ -984,22 +912,17 @@ __device__ __forceinline__ void mvq_body(
 #pragma unroll
             for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) {
                 const int i = lane + 32 * u;
-                sl[u] = live && i < ssq_n ? ssq_in[i] : 0.0;
+                sl[u] = i < ssq_n ? ssq_in[i] : 0.0;
             }
         }
 #pragma unroll
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
-            bool in = live && i4 < n4;
+            bool in = i4 < n4;
             int t = in ? (4 * i4) / k : 0;
             int j = 4 * i4 - t * k;
             xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
-#if MVQ_NORMPRE & 2
-            if (NT == 1 && base0 == 0) {
-                gv[r] = g0[r];  // loaded before the wait
-            } else  // (the line below)
-#endif
             if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
         }
         if (ssq && base0 == 0) {  // the same sum, bit for bit, in every lane of every block
@@ -1008,11 +931,12 @@ __device__ __forceinline__ void mvq_body(
             for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) v += sl[u];
             ssq_scale = rms_scale(warp_sum_d(v), k, eps);  // block_rms_scale's float32 steps
         }
-        MVQ_TR_LANDED(xv[XB - 1].w + gv[XB - 1].w + ssq_scale);
+        MVQ_TR_LANDED((MVQ_TRACE_DEP & 1 ? xv[XB - 1].w : 0.f) +
+                      (MVQ_TRACE_DEP & 2 ? gv[XB - 1].w : 0.f) + (MVQ_TRACE_DEP & 4 ? ssq_scale : 0.f));
 #pragma unroll
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
-            bool in = live && i4 < n4;
+            bool in = i4 < n4;
             int t = in ? (4 * i4) / k : 0;
             float4 v = xv[r];
             if (norm && in) v = norm4(v, ssq ? ssq_scale : s_scale[t], gv[r]);
@@ -1020,9 +944,6 @@ __device__ __forceinline__ void mvq_body(
         }
         MVQ_TR_X1();
     }
-#if MVQ_XWARM & 1
-    }  // pass
-#endif
     __syncthreads();
     MVQ_TR(tr_2);
     trigger_at(3);
