@@ -149,6 +149,12 @@
 #define MVQ_SSQ_MAX 256
 #endif
 
+// MVQ_QRCP (off): x's codes as ggml-cpu's quantize_row_q8_1 makes them, q = rint(x * (127 /
+// max|x|)), one division a run's lane instead of five (x / d for each value): every block
+// quantizes all of x, on the critical path of each launch (NOTES run 40)
+#ifndef MVQ_QRCP
+#define MVQ_QRCP 0
+#endif
 // MVQ_TRACE (a diagnostic build: bench_synthetic --trace): each warp of the one-token
 // kernels writes its times (%globaltimer, ns) into mvq_trace: entry, the dependent-launch
 // wait done, x quantized, its first unit multiplied, done; with the first weight's address,
@@ -739,9 +745,16 @@ __device__ __forceinline__ void quantize4(float4 v, int i4, bool in, signed char
     float d = amax / 127.0f;
     int q[4];
     float vv[4] = {v.x, v.y, v.z, v.w};
+#if MVQ_QRCP
+    const float id = amax == 0.0f ? 0.0f : 127.0f / amax;  // ggml-cpu's quantize_row_q8_1
+#endif
 #pragma unroll
     for (int e = 0; e < 4; e++) {
+#if MVQ_QRCP
+        q[e] = __float2int_rn(__fmul_rn(vv[e], id));
+#else
         q[e] = amax == 0.0f ? 0 : __float2int_rn(vv[e] / d);
+#endif
         q[e] = max(-127, min(127, q[e]));
     }
     int hs = q[0] + q[1] + q[2] + q[3];
