@@ -1021,7 +1021,8 @@ __device__ __forceinline__ void mvq_body(
             ssq_scale = rms_scale(warp_sum_d(v), k, eps);  // block_rms_scale's float32 steps
         }
         MVQ_TR_LANDED((MVQ_TRACE_DEP & 1 ? xv[XB - 1].w : 0.f) +
-                      (MVQ_TRACE_DEP & 2 ? gv[XB - 1].w : 0.f) + (MVQ_TRACE_DEP & 4 ? ssq_scale : 0.f));
+                      (MVQ_TRACE_DEP & 2 ? gv[XB - 1].w : 0.f) +
+                      (MVQ_TRACE_DEP & 4 ? ssq_scale : 0.f));
 #pragma unroll
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
@@ -1074,7 +1075,8 @@ __device__ __forceinline__ void mvq_body(
                         y0[(i64)t * m0 + jb.a.r] = act == 1 ? silu_mul1(gv, uv) : gelu_mul1(gv, uv);
                     }
 #if MVQ_XQ
-                    if (NT == 1 && ssq_out != nullptr) xq_count(y0, jb.a.r, xq_layout(ssq_out, m0), lane);
+                    if (NT == 1 && ssq_out != nullptr)
+                        xq_count(y0, jb.a.r, xq_layout(ssq_out, m0), lane);
 #endif
                 }
             }
