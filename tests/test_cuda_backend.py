@@ -537,6 +537,17 @@ def test_int8_norm_one_token_equals_batch(be, qtype, k, m):
     np.testing.assert_array_equal(outs[0][0], outs[1][1])
 
 
+def _run_pair(be, writer, reader, between=None):
+    """Two linked matvecs launched in order on the backend's stream, ``between()`` (if any)
+    run between them there: the writer's and the reader's outputs, on the host."""
+    with be._stream:
+        writer.run()
+        if between is not None:
+            between()
+        reader.run()
+    return be.to_host(writer.ys[0]), be.to_host(reader.ys[0])
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K], ids=["Q4_K", "Q6_K"])
 def test_int8_norm_takes_the_writers_sum_of_squares(be, qtype):
     """A decode graph's residual matvec leaves its blocks' sums of x's squares for the normed
@@ -564,12 +575,11 @@ def test_int8_norm_takes_the_writers_sum_of_squares(be, qtype):
         reader = _Matvec(be, True, w_read.data, be._empty((1, m)), x, 1)
         reader.norm_w, reader.eps = norm_w, eps
         writer.ssq_out = reader.ssq_in = link
-        with be._stream:
-            writer.run()
-            if factor != 1.0:
-                link.buf *= factor
-            reader.run()
-        return be.to_host(x), be.to_host(reader.ys[0])
+
+        def scale_sums():
+            link.buf *= factor
+
+        return _run_pair(be, writer, reader, scale_sums if factor != 1.0 else None)
 
     x_ref, y_ref = run(None)
     link = _SumSquares(cp.zeros((_MVQ_SSQ_MAX,), dtype=cp.float64))
@@ -622,12 +632,11 @@ def test_int8_gate_up_hands_the_next_matvec_its_x_quantized(monkeypatch, qtype, 
         writer.act = 1
         reader = _Matvec(be, True, w_down.data, be._empty((1, m)), x, 1)
         writer.xq_out = reader.xq_in = link
-        with be._stream:
-            writer.run()
-            if zero_scales:
-                link.buf[d : d + d // 8] = 0
-            reader.run()
-        return be.to_host(x), be.to_host(reader.ys[0])
+
+        def clear_scales():
+            link.buf[d : d + d // 8] = 0
+
+        return _run_pair(be, writer, reader, clear_scales if zero_scales else None)
 
     x_ref, y_ref = run(None)
     link = _QuantizedX(cp.zeros((n_bytes,), dtype=cp.uint8))
