@@ -809,7 +809,8 @@ __device__ __forceinline__ void xq_count(const float* y, int r, XQBuf o, int lan
     const float v = __ldcg(y + 32 * run + lane);  // from L2: other SMs wrote them
     float amax = fabsf(v);
 #pragma unroll
-    for (int sh = 1; sh < 32; sh <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, sh));
+    for (int sh = 1; sh < 32; sh <<= 1)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, sh));
     const float d = amax / 127.0f;
 #if MVQ_QRCP
     const float id = amax == 0.0f ? 0.0f : 127.0f / amax;
