@@ -478,6 +478,12 @@ class _QuantizedX:
         self.buf = buf
         self.live = False
 
+    @staticmethod
+    def n_bytes(k: int) -> int:
+        """The buffer's size for x of k values: k codes, then k / 32 scales, k / 16 half
+        sums and k / 32 counts of 4 bytes each (xq_layout)."""
+        return k + k // 8 + k // 4 + k // 8
+
 
 def _ssq_args(mv: _Matvec) -> list:
     """An int8 matvec's ssq_out, ssq_in and ssq_n arguments: its _SumSquares links where
@@ -1577,7 +1583,7 @@ class CUDABackend(Backend):
                 continue
             if reader.x.data.ptr != y.data.ptr or reader.x.size != y.size or reader.k != m:
                 continue
-            link = _QuantizedX(self.cp.zeros((m + m // 8 + m // 4 + m // 8,), dtype=self.cp.uint8))
+            link = _QuantizedX(self.cp.zeros((_QuantizedX.n_bytes(m),), dtype=self.cp.uint8))
             trace.refs.append(link.buf)
             writer.xq_out = link
             reader.xq_in = link

@@ -142,7 +142,6 @@
 #define MVQ_PRE2_BITS MVQ_PRE2
 #endif
 
-
 // The most blocks a launch that writes x may have for its reader to take x's sum of squares
 // from their partial sums (ssq_out / ssq_in below); the host links no bigger launch.
 #ifndef MVQ_SSQ_MAX
@@ -734,6 +733,18 @@ struct Job {
     int pair;
 };
 
+// value v's int8 code in a run of max |x| amax and scale d = amax / 127: round(v / d), as
+// llama.cpp's CUDA quantize_q8_1; with MVQ_QRCP, rint(v * (127 / amax)) as ggml-cpu's
+__device__ __forceinline__ int x_code(float v, float amax, float d) {
+#if MVQ_QRCP
+    const float id = amax == 0.0f ? 0.0f : 127.0f / amax;
+    const int q = __float2int_rn(__fmul_rn(v, id));
+#else
+    const int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
+#endif
+    return max(-127, min(127, q));
+}
+
 // x's values 4 i4 .. 4 i4 + 3 (v) as int8 codes into sq, their run's scale into sd and the
 // half sums into ss: 8 lanes a run of 32 (Q8_1's scheme), so every lane of the warp calls
 // it; `in`: whether this lane's values are x's (else it only joins the shuffles)
@@ -745,18 +756,8 @@ __device__ __forceinline__ void quantize4(float4 v, int i4, bool in, signed char
     float d = amax / 127.0f;
     int q[4];
     float vv[4] = {v.x, v.y, v.z, v.w};
-#if MVQ_QRCP
-    const float id = amax == 0.0f ? 0.0f : 127.0f / amax;  // ggml-cpu's quantize_row_q8_1
-#endif
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-#if MVQ_QRCP
-        q[e] = __float2int_rn(__fmul_rn(vv[e], id));
-#else
-        q[e] = amax == 0.0f ? 0 : __float2int_rn(vv[e] / d);
-#endif
-        q[e] = max(-127, min(127, q[e]));
-    }
+    for (int e = 0; e < 4; e++) q[e] = x_code(vv[e], amax, d);
     int hs = q[0] + q[1] + q[2] + q[3];
     hs += __shfl_xor_sync(0xffffffffu, hs, 1);
     hs += __shfl_xor_sync(0xffffffffu, hs, 2);
@@ -812,13 +813,7 @@ __device__ __forceinline__ void xq_count(const float* y, int r, XQBuf o, int lan
     for (int sh = 1; sh < 32; sh <<= 1)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, sh));
     const float d = amax / 127.0f;
-#if MVQ_QRCP
-    const float id = amax == 0.0f ? 0.0f : 127.0f / amax;
-    int q = __float2int_rn(__fmul_rn(v, id));
-#else
-    int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
-#endif
-    q = max(-127, min(127, q));
+    const int q = x_code(v, amax, d);
     int hs = q;  // the sum of the 16 codes of this lane's half
 #pragma unroll
     for (int sh = 1; sh < 16; sh <<= 1) hs += __shfl_xor_sync(0xffffffffu, hs, sh);
@@ -959,7 +954,6 @@ __device__ __forceinline__ void mvq_body(
     // in its first round, so the norm costs no round trip and no block barrier of its own
     // (not in the wide-x kernel, XB 4, whose registers it would spill: no normed x is wide)
     const bool ssq = NT == 1 && XB <= 2 && norm && ssq_in != nullptr;
-
     if (norm && !ssq) {
         for (int t = 0; t < n; t++) {
             const float4* xt = (const float4*)(x + (i64)t * k);

@@ -293,6 +293,34 @@ __device__ __forceinline__ void load_unit3k(const uint4* __restrict__ w, u64 w16
     for (int v = 0; v < 6; v++) r[v] = __ldg(w + (gw * 192) % (w16 - 192) + 32 * v + lane);
 }
 
+// xw floats of x into xs, four 16-byte loads a thread in flight before their stores (ldcg:
+// through L2 only)
+__device__ __forceinline__ void x_to_shared(const float* x, int xw, float* xs, bool ldcg) {
+    const float4* src = (const float4*)x;
+    float4 v[4];
+    const int n4 = xw / 4;
+    for (int i0 = 0; i0 < n4; i0 += 4 * (int)blockDim.x) {
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + u * blockDim.x + threadIdx.x;
+            if (i < n4) {
+                if (ldcg) {
+                    const uint4 q = ld_cg16(src + i);
+                    v[u] = make_float4(__uint_as_float(q.x), __uint_as_float(q.y),
+                                       __uint_as_float(q.z), __uint_as_float(q.w));
+                } else {
+                    v[u] = __ldg(src + i);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + u * blockDim.x + threadIdx.x;
+            if (i < n4) ((float4*)xs)[i] = v[u];
+        }
+    }
+}
+
 // x into every block's shared memory, as each one-token matvec reads it after its wait: one
 // block an SM, 16 warps, xw floats of x (in L2). Every warp first sends `units` units of
 // 3 KB of weights (a preload in flight). x_bcast, mode 0: every block loads the same x
@@ -313,21 +341,7 @@ extern "C" __global__ void x_bcast(const uint4* __restrict__ w, u64 w16,
     u64 t0, t1;
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(t0)::"memory");
     if (units) load_unit3k(w, w16, gw, lane, r);
-    const float4* src = (const float4*)(x + (mode == 1 ? (u64)blockIdx.x * xw : 0));
-    float4 v[4];
-    const int n4 = xw / 4;
-    for (int i0 = 0; i0 < n4; i0 += 4 * (int)blockDim.x) {
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int i = i0 + u * blockDim.x + threadIdx.x;
-            if (i < n4) v[u] = __ldg(src + i);
-        }
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int i = i0 + u * blockDim.x + threadIdx.x;
-            if (i < n4) ((float4*)xs)[i] = v[u];
-        }
-    }
+    x_to_shared(x + (mode == 1 ? (u64)blockIdx.x * xw : 0), xw, xs, false);
     __syncthreads();
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(t1)::"memory");
     u32 acc = __float_as_uint(xs[(threadIdx.x * 7) % xw]);
@@ -699,29 +713,7 @@ extern "C" __global__ void x_pdl_read(const uint4* __restrict__ w, u64 w16,
     const u64 g0 = gtimer();
     u64 c0;
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(c0)::"memory");
-    const float4* src = (const float4*)x;
-    const int n4 = xw / 4;
-    float4 v[4];
-    for (int i0 = 0; i0 < n4; i0 += 4 * (int)blockDim.x) {
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int i = i0 + u * blockDim.x + threadIdx.x;
-            if (i < n4) {
-                if (ldcg) {
-                    const uint4 q = ld_cg16(src + i);
-                    v[u] = make_float4(__uint_as_float(q.x), __uint_as_float(q.y),
-                                       __uint_as_float(q.z), __uint_as_float(q.w));
-                } else {
-                    v[u] = __ldg(src + i);
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int i = i0 + u * blockDim.x + threadIdx.x;
-            if (i < n4) ((float4*)xs)[i] = v[u];
-        }
-    }
+    x_to_shared(x, xw, xs, ldcg);
     __syncthreads();
     const u64 g1 = gtimer();
     u64 c1;
