@@ -232,7 +232,7 @@ class _Matvec:
 
     __slots__ = (
         "be", "q8", "weights", "ys", "x", "n", "k", "norm_w", "eps", "resid", "act", "rope",
-        "ssq_out", "ssq_in", "xq_out", "xq_in",
+        "ssq_out", "ssq_in",
     )  # fmt: skip
 
     def __init__(self, be, q8: bool, w, y, x, n: int):
@@ -250,8 +250,6 @@ class _Matvec:
         self.rope = None
         self.ssq_out = None  # _SumSquares: this launch writes x's for the next (see _fuse)
         self.ssq_in = None  # _SumSquares: this launch's norm takes x's from it
-        self.xq_out = None  # _QuantizedX (MVQ_XQ): this launch quantizes the next one's x
-        self.xq_in = None  # _QuantizedX: this launch's x comes quantized
 
     def copy(self) -> _Matvec:
         c = copy.copy(self)
@@ -465,37 +463,12 @@ class _SumSquares:
         self.n = 0
 
 
-class _QuantizedX:
-    """(``PICOLLAMA_CUDA_DEFINES=MVQ_XQ=1``) A decode graph's link between a one-token gate +
-    up launch and the int8 matvec that reads its product as x right after it (ffn_down):
-    the writer's warps leave x's int8 codes, scales and half sums in ``buf`` (mmvq.cu's
-    xq_layout: 1.5 bytes a value, with a count a run of 32 that starts at 0), and the reader
-    copies them instead of quantizing x on every SM. They travel in the kernels' ssq_out and
-    ssq_in slots, which these two launches do not use otherwise; ``live`` once the writer
-    has been launched with it."""
-
-    def __init__(self, buf):
-        self.buf = buf
-        self.live = False
-
-    @staticmethod
-    def n_bytes(k: int) -> int:
-        """The buffer's size for x of k values: k codes, then k / 32 scales, k / 16 half
-        sums and k / 32 counts of 4 bytes each (xq_layout)."""
-        return k + k // 8 + k // 4 + k // 8
-
-
 def _ssq_args(mv: _Matvec) -> list:
     """An int8 matvec's ssq_out, ssq_in and ssq_n arguments: its _SumSquares links where
-    they hold sums (the writer sets ``n`` when it is launched), else null pointers; or its
-    _QuantizedX links in the same slots. (The kernels read ssq_in only for one normed
-    token, and not in the wide-x kernel; a quantized x only where there is no norm.)"""
+    they hold sums (the writer sets ``n`` when it is launched), else null pointers. (The
+    kernels read ssq_in only for one normed token, and not in the wide-x kernel.)"""
     out, link = mv.ssq_out, mv.ssq_in
     out_buf = out.buf if out is not None and out.n else _NULL
-    if mv.xq_out is not None:
-        out_buf = mv.xq_out.buf
-    if mv.xq_in is not None and mv.xq_in.live:
-        return [out_buf, mv.xq_in.buf, np.int32(0)]
     if link is None or not link.n:
         return [out_buf, _NULL, np.int32(0)]
     return [out_buf, link.buf, np.int32(link.n)]
@@ -1565,28 +1538,7 @@ class CUDABackend(Backend):
             self._link_sum_squares(kept, trace)
             if layout.define_value("RING", 0):
                 kept = self._ring_chains(kept, trace)
-        if layout.define_value("MVQ_XQ", 0) and not layout.define_value("RING", 0):
-            self._link_quantized_x(kept, trace)
         return kept
-
-    def _link_quantized_x(self, launches: list, trace: _Trace) -> None:
-        """(MVQ_XQ) Each one-token gate + up launch hands the int8 matvec right after it
-        that reads its product as x (un-normed, one token) that x already quantized: see
-        _QuantizedX and mmvq.cu's MVQ_XQ."""
-        for writer, reader in zip(launches, launches[1:], strict=False):
-            if not isinstance(writer, _Matvec) or not isinstance(reader, _Matvec):
-                continue
-            if not (writer.q8 and writer.n == 1 and writer.act and writer.rope is None):
-                continue
-            y, m = writer.ys[0], writer.weights[0].m
-            if m % 32 or not (reader.q8 and reader.n == 1 and reader.norm_w is None):
-                continue
-            if reader.x.data.ptr != y.data.ptr or reader.x.size != y.size or reader.k != m:
-                continue
-            link = _QuantizedX(self.cp.zeros((_QuantizedX.n_bytes(m),), dtype=self.cp.uint8))
-            trace.refs.append(link.buf)
-            writer.xq_out = link
-            reader.xq_in = link
 
     def _ring_kernel(self):
         """ring.cu's matvec_ring (compiled on first use), or None where a block's shared
@@ -1804,8 +1756,6 @@ class CUDABackend(Backend):
         if mv.q8:
             if mv.ssq_out is not None:  # the blocks' partial sums, for the reader after this
                 mv.ssq_out.n = n_blocks if n == 1 and n_blocks <= _MVQ_SSQ_MAX else 0
-            if mv.xq_out is not None:  # x quantized for the reader after this
-                mv.xq_out.live = True
             args += _ssq_args(mv)
             args.append(np.int32(self._pdl_at(n_blocks, max(1, per_sm))))
         if pdl is not None and mv.q8:  # the int8 kernels call pdl_wait()

@@ -4,7 +4,8 @@
 //
 // Activations. Each block of the grid quantizes x once into shared memory (the grid is one
 // wave of blocks, so this happens once per multiprocessor slot, not per row): each run of 32
-// values gets d = max|x| / 127 and codes q = round(x / d) in int8 (Q8_1's scheme), and the
+// values gets d = max|x| / 127 and codes q = round(x * (127 / max|x|)) in int8 (Q8_1's
+// scheme, the codes as ggml-cpu's quantize_row_q8_1 and so the CPU backend make them), and the
 // integer sum of each half (16 codes) is kept for the types whose codes carry an offset.
 // With `norm`, x is first RMS-normalized and scaled exactly as the rms_norm kernel does it.
 //
@@ -148,11 +149,12 @@
 #define MVQ_SSQ_MAX 256
 #endif
 
-// MVQ_QRCP (off): x's codes as ggml-cpu's quantize_row_q8_1 makes them, q = rint(x * (127 /
-// max|x|)), one division a run's lane instead of five (x / d for each value): every block
-// quantizes all of x, on the critical path of each launch (NOTES run 40)
+// MVQ_QRCP (on): x's codes as ggml-cpu's quantize_row_q8_1 makes them, q = rint(x * (127 /
+// max|x|)), one division a run's lane instead of five: every block quantizes all of x, on
+// the critical path of each launch (NOTES runs 40-41: tg128 1.026x on the 8B shape). 0:
+// q = round(x / d), llama.cpp CUDA's quantize_q8_1.
 #ifndef MVQ_QRCP
-#define MVQ_QRCP 0
+#define MVQ_QRCP 1
 #endif
 // MVQ_TRACE (a diagnostic build: bench_synthetic --trace): each warp of the one-token
 // kernels writes its times (%globaltimer, ns) into mvq_trace: entry, the dependent-launch
@@ -733,8 +735,8 @@ struct Job {
     int pair;
 };
 
-// value v's int8 code in a run of max |x| amax and scale d = amax / 127: round(v / d), as
-// llama.cpp's CUDA quantize_q8_1; with MVQ_QRCP, rint(v * (127 / amax)) as ggml-cpu's
+// value v's int8 code in a run of max |x| amax and scale d = amax / 127: rint(v * (127 /
+// amax)) as ggml-cpu's quantize_row_q8_1; with MVQ_QRCP=0, round(v / d) as llama.cpp CUDA's
 __device__ __forceinline__ int x_code(float v, float amax, float d) {
 #if MVQ_QRCP
     const float id = amax == 0.0f ? 0.0f : 127.0f / amax;
@@ -770,61 +772,6 @@ __device__ __forceinline__ void quantize4(float4 v, int i4, bool in, signed char
         if (sub == 0) sd[run] = d;
     }
 }
-
-// MVQ_XQ (off): a one-token gate + up launch hands the launch after it (ffn_down) its x
-// already quantized, instead of every SM of that launch quantizing all of x (the 8B's 14336
-// values: ~4.5 us of ffn_down's prologue, NOTES run 40). The host links the two (backend.py,
-// _QuantizedX) through the ssq_out slot of the writer and the ssq_in slot of the reader,
-// which neither uses otherwise (ssq_out is for launches with a residual, ssq_in for normed
-// ones): a buffer of xq_layout below. Each warp of the writer, after its row's value is
-// stored, counts the row's run of 32 done; the warp that completes a run reads its 32 values
-// back and writes their codes, scale and half sums as quantize4 makes them (the same
-// values, so the same bytes), and sets the run's count back to 0 for the next step. The
-// reader copies them into shared memory.
-#ifndef MVQ_XQ
-#define MVQ_XQ 0
-#endif
-#if MVQ_XQ
-struct XQBuf {
-    signed char* q;  // k codes
-    float* d;        // k / 32 scales
-    int* s;          // k / 16 sums of 16 codes
-    unsigned* cnt;   // k / 32 counts of a run's values written
-};
-__device__ __forceinline__ XQBuf xq_layout(const void* base, int k) {
-    signed char* q = (signed char*)base;
-    float* d = (float*)(q + k);
-    int* s = (int*)(d + k / 32);
-    return XQBuf{q, d, s, (unsigned*)(s + k / 16)};
-}
-// value r of x (y[r], just stored by lane 0) counted; the run's last warp quantizes it
-__device__ __forceinline__ void xq_count(const float* y, int r, XQBuf o, int lane) {
-    const int run = r >> 5;
-    unsigned done = 0;
-    if (lane == 0) {
-        __threadfence();  // y[r] visible before the count
-        done = atomicAdd(o.cnt + run, 1u);
-    }
-    if (__shfl_sync(0xffffffffu, done, 0) != 31u) return;
-    __threadfence();
-    const float v = __ldcg(y + 32 * run + lane);  // from L2: other SMs wrote them
-    float amax = fabsf(v);
-#pragma unroll
-    for (int sh = 1; sh < 32; sh <<= 1)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, sh));
-    const float d = amax / 127.0f;
-    const int q = x_code(v, amax, d);
-    int hs = q;  // the sum of the 16 codes of this lane's half
-#pragma unroll
-    for (int sh = 1; sh < 16; sh <<= 1) hs += __shfl_xor_sync(0xffffffffu, hs, sh);
-    o.q[32 * run + lane] = (signed char)q;
-    if ((lane & 15) == 0) o.s[2 * run + (lane >> 4)] = hs;
-    if (lane == 0) {
-        o.d[run] = d;
-        o.cnt[run] = 0u;
-    }
-}
-#endif
 
 // W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS)
 template <int NT, int XB, bool ROPE, int W>
@@ -971,23 +918,7 @@ __device__ __forceinline__ void mvq_body(
     // sums. Every lane of the block goes through the same number of rounds (the shuffles
     // need whole warps); lanes past the end compute on zeros and store nothing. The loads
     // of XB rounds are issued before the first is used (wide x: one latency, not XB).
-#if MVQ_XQ
-    // x quantized by the launch before (MVQ_XQ): its codes, scales and half sums copied in
-    const bool xq_in = NT == 1 && !norm && ssq_in != nullptr;
-    if (xq_in) {
-        const XQBuf o = xq_layout(ssq_in, k);
-        for (int i = threadIdx.x; i < k / 16; i += W * 32) {
-            const int4 c = __ldg((const int4*)o.q + i);
-            const int h = __ldg(o.s + i);
-            *(int4*)XSWZ(sq + 16 * i) = c;
-            ss[i] = h;
-            if ((i & 1) == 0) sd[i >> 1] = __ldg(o.d + (i >> 1));
-        }
-    }
-    int n4 = xq_in ? 0 : n * k / 4;  // (no rounds of x's own)
-#else
     int n4 = n * k / 4;
-#endif
     float ssq_scale = 0.f;
     for (int base0 = 0; base0 < n4; base0 += XB * W * 32) {
         float4 xv[XB], gv[XB];
@@ -1069,10 +1000,6 @@ __device__ __forceinline__ void mvq_body(
                     if (lane == 0) {
                         y0[(i64)t * m0 + jb.a.r] = act == 1 ? silu_mul1(gv, uv) : gelu_mul1(gv, uv);
                     }
-#if MVQ_XQ
-                    if (NT == 1 && ssq_out != nullptr)
-                        xq_count(y0, jb.a.r, xq_layout(ssq_out, m0), lane);
-#endif
                 }
             }
         } else {
@@ -1100,7 +1027,7 @@ __device__ __forceinline__ void mvq_body(
         }
     };
     auto ssq_epilogue = [&]() {
-        if (NT == 1 && ssq_out != nullptr && !(MVQ_XQ && act)) {  // (act: MVQ_XQ's buffer)
+        if (NT == 1 && ssq_out != nullptr) {
             if (lane == 0) red[warp] = ssq_acc;
             __syncthreads();
             if (threadIdx.x == 0) {
