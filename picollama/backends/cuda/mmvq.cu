@@ -242,9 +242,28 @@ __device__ __forceinline__ u32 spread4_bit4(u32 b) { return ((b * 0x00204081u) &
 #undef MVQ_XSWZ
 #define MVQ_XSWZ 0
 #endif
+// MVQ_SWS (off): the same permutation taken on x's offset in the block's dynamic shared
+// memory instead of on the generic address, so that x's stores and loads stay shared-memory
+// ones (STS / LDS with 32-bit addresses) where the generic address's 64-bit arithmetic
+// makes them generic (ST / LD), ~8 instructions a 16-byte load of x in the dot loops. The
+// offset's bit 7 can differ from the address's: a constant XOR of bit 6 over all of x, the
+// same bank pattern; writer and readers both take it, so no code moves out of x.
+#ifndef MVQ_SWS
+#define MVQ_SWS 0
+#endif
 #if MVQ_XSWZ
 #define XSWZ_BITS(a) (((a) >> 3) & 0x30ull) ^ (MVQ_XSWZ == 2 ? ((a) >> 1) & 0x40ull : 0ull)
+#if MVQ_SWS
+extern __shared__ __align__(128) int4 mvq_smem[];  // the block's dynamic shared memory
+template <typename T>
+__device__ __forceinline__ T* xswz_smem(T* p) {
+    const u32 off = (u32)((const signed char*)p - (const signed char*)mvq_smem);
+    return (T*)((signed char*)mvq_smem + (off ^ (u32)XSWZ_BITS(off)));
+}
+#define XSWZ(p) xswz_smem(p)
+#else
 #define XSWZ(p) ((decltype(p))((unsigned long long)(p) ^ XSWZ_BITS((unsigned long long)(p))))
+#endif
 #else
 #define XSWZ(p) (p)
 #endif
@@ -747,6 +766,20 @@ __device__ __forceinline__ int x_code(float v, float amax, float d) {
     return max(-127, min(127, q));
 }
 
+// MVQ_T0 (off): the one-token kernels take x's token index as 0 without dividing (with one
+// token every value in x is token 0's): an integer division by k a value of x's rounds is
+// ~24 instructions, two a round, and the first stands before x's loads are issued
+#ifndef MVQ_T0
+#define MVQ_T0 0
+#endif
+// the token of x's values 4 i4 .. 4 i4 + 3 in a kernel of NT tokens of k values each (0 for
+// values past x's end, `in` false)
+template <int NT>
+__device__ __forceinline__ int x_token(int i4, bool in, int k) {
+    if (MVQ_T0 && NT == 1) return 0;
+    return in ? (4 * i4) / k : 0;
+}
+
 // x's values 4 i4 .. 4 i4 + 3 (v) as int8 codes into sq, their run's scale into sd and the
 // half sums into ss: 8 lanes a run of 32 (Q8_1's scheme), so every lane of the warp calls
 // it; `in`: whether this lane's values are x's (else it only joins the shuffles)
@@ -781,7 +814,9 @@ __device__ __forceinline__ void mvq_body(
     const float* __restrict__ x, int n, const float* __restrict__ norm_w, float eps, int norm,
     const float* __restrict__ resid, int has_resid, int act, RopeArgs ra, double* ssq_out,
     const double* __restrict__ ssq_in, int ssq_n, int pdl_at) {
-#if MVQ_XSWZ  // x's codes (first) start 128-byte aligned: past the static arrays (s_cs ...)
+#if MVQ_XSWZ && MVQ_SWS
+    // (mvq_smem declared with XSWZ above)
+#elif MVQ_XSWZ  // x's codes (first) start 128-byte aligned: past the static arrays (s_cs ...)
     extern __shared__ __align__(128) int4 mvq_smem[];
 #else
     extern __shared__ int4 mvq_smem[];
@@ -934,7 +969,7 @@ __device__ __forceinline__ void mvq_body(
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
             bool in = i4 < n4;
-            int t = in ? (4 * i4) / k : 0;
+            int t = x_token<NT>(i4, in, k);
             int j = 4 * i4 - t * k;
             xv[r] = gv[r] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
@@ -953,7 +988,7 @@ __device__ __forceinline__ void mvq_body(
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
             bool in = i4 < n4;
-            int t = in ? (4 * i4) / k : 0;
+            int t = x_token<NT>(i4, in, k);
             float4 v = xv[r];
             if (norm && in) v = norm4(v, ssq ? ssq_scale : s_scale[t], gv[r]);
             quantize4(v, i4, in, sq, sd, ss);
