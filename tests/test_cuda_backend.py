@@ -516,6 +516,29 @@ def test_int8_norm_one_token_equals_batch(be, qtype, k, m):
     one-token prologue and check it, as runs 13 and 30 did). k = 2560 leaves the second
     round of 16-warp blocks part empty; m = 1200 rows keep the one-token launch off the
     small grids' 8-warp blocks, and m = 5000 gives some warps a second job (of one row)."""
+    _assert_one_token_equals_batch(be, qtype, k, m, normed=True)
+
+
+@pytest.mark.parametrize(
+    "qtype,k,m",
+    [
+        (GGMLType.Q4_0, 2048, 1200),
+        (GGMLType.Q8_0, 2560, 1200),
+        (GGMLType.Q4_K, 14336, 1200),
+        (GGMLType.Q6_K, 8448, 1200),
+        (GGMLType.Q6_K, 14336, 5000),
+    ],
+    ids=["Q4_0-2048", "Q8_0-2560", "Q4_K-14336", "Q6_K-8448", "Q6_K-14336-m5000"],
+)
+def test_int8_one_token_equals_batch(be, qtype, k, m):
+    """The same without a norm, and x wide enough (k >= 8192) for the one-token launch to
+    take the wide-x kernel (matvec_q8_n1_wide, ffn_down's): x's codes, scales and half
+    sums made one way in the one-token prologue and another in the batch's give the same
+    bits only if they are the same."""
+    _assert_one_token_equals_batch(be, qtype, k, m, normed=False)
+
+
+def _assert_one_token_equals_batch(be, qtype, k, m, normed):
     from picollama.backends.cuda.backend import _Matvec
 
     rng = np.random.default_rng(77 + k)
@@ -528,10 +551,12 @@ def test_int8_norm_one_token_equals_batch(be, qtype, k, m):
         x = be.from_host(np.repeat(row, n, axis=0))
         y = be._empty((n, m))
         mv = _Matvec(be, True, wt.data, y, x, n)
-        mv.norm_w, mv.eps = norm_w, 1e-5
+        if normed:
+            mv.norm_w, mv.eps = norm_w, 1e-5
         with be._stream:
             mv.run()
         outs.append(be.to_host(y))
+    assert np.abs(outs[0][0]).max() > 0
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][0], outs[1][1])
 

@@ -156,6 +156,16 @@
 #ifndef MVQ_QRCP
 #define MVQ_QRCP 1
 #endif
+// MVQ_Q16 (off): in the one-token kernels a lane quantizes 16 consecutive values of x (half
+// a run of 32) instead of 4 (quantize16): the run's max|x| in one shuffle with the
+// neighbouring lane (three with 8 lanes a run), the half's sum of codes without one (two),
+// the scale's two divisions once for 16 values (4), the codes in one 16-byte store (4
+// bytes). The same codes, scales and sums as quantize4's (the same operations on each
+// value); ~160 instructions for 16 values (with the norm) where quantize4's four calls
+// issue ~400, all on the critical path of every launch (NOTES run 41).
+#ifndef MVQ_Q16
+#define MVQ_Q16 0
+#endif
 // MVQ_TRACE (a diagnostic build: bench_synthetic --trace): each warp of the one-token
 // kernels writes its times (%globaltimer, ns) into mvq_trace: entry, the dependent-launch
 // wait done, x quantized, its first unit multiplied, done; with the first weight's address,
@@ -806,6 +816,35 @@ __device__ __forceinline__ void quantize4(float4 v, int i4, bool in, signed char
     }
 }
 
+// x's values 16 h .. 16 h + 15 (v) as int8 codes into sq, the run's scale into sd (from the
+// even lane of the pair) and the half's sum into ss; every lane of the warp calls it (the
+// shuffle with lane ^ 1), `in`: whether this lane's values are x's
+__device__ __forceinline__ void quantize16(const float4 (&v)[4], int h, bool in, signed char* sq,
+                                           float* sd, int* ss) {
+    float amax = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[e].x), fabsf(v[e].y)),
+                                 fmaxf(fabsf(v[e].z), fabsf(v[e].w))));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    const float d = amax / 127.0f;
+    u32 w[4];
+    int hs = 0;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const int q0 = x_code(v[e].x, amax, d), q1 = x_code(v[e].y, amax, d);
+        const int q2 = x_code(v[e].z, amax, d), q3 = x_code(v[e].w, amax, d);
+        hs += q0 + q1 + q2 + q3;
+        w[e] = (u32)(q0 & 0xFF) | ((u32)(q1 & 0xFF) << 8) | ((u32)(q2 & 0xFF) << 16) |
+               ((u32)(q3 & 0xFF) << 24);
+    }
+    if (in) {
+        *(int4*)XSWZ(sq + 16 * h) = make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
+        ss[h] = hs;  // (2 run + half)
+        if ((h & 1) == 0) sd[h >> 1] = d;
+    }
+}
+
 // W: warps per block (the kernel's launch bound: MVQ_WARPS, or MVQ_SMALL_WARPS)
 template <int NT, int XB, bool ROPE, int W>
 __device__ __forceinline__ void mvq_body(
@@ -955,16 +994,62 @@ __device__ __forceinline__ void mvq_body(
     // of XB rounds are issued before the first is used (wide x: one latency, not XB).
     int n4 = n * k / 4;
     float ssq_scale = 0.f;
+    // with ssq: the writer's partial sums, issued before x's first loads and added after
+    // them (one round trip); the same sum, bit for bit, in every lane of every block
+    auto ssq_issue = [&](double (&sl)[MVQ_SSQ_MAX / 32]) {
+#pragma unroll
+        for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) {
+            const int i = lane + 32 * u;
+            sl[u] = i < ssq_n ? ssq_in[i] : 0.0;
+        }
+    };
+    auto ssq_add = [&](const double (&sl)[MVQ_SSQ_MAX / 32]) {
+        double v = 0.0;
+#pragma unroll
+        for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) v += sl[u];
+        return rms_scale(warp_sum_d(v), k, eps);  // block_rms_scale's float32 steps
+    };
+#if MVQ_Q16
+    // one token: 16 values a lane (quantize16), H halves a lane's loads issued at once (the
+    // wide x's two: one latency, not two); warps past x's end leave
+    constexpr int H = XB >= 4 ? 2 : 1;
+    const int nh = NT == 1 ? k / 16 : 0;
+    if (NT == 1) n4 = 0;  // (no rounds of quantize4)
+    for (int b = 0; b < nh && b + 32 * warp < nh; b += H * W * 32) {
+        float4 xv[H][4], gv[H][4];
+        double sl[MVQ_SSQ_MAX / 32];
+        if (ssq && b == 0) ssq_issue(sl);
+#pragma unroll
+        for (int r = 0; r < H; r++) {
+            const int h = b + r * W * 32 + threadIdx.x;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                xv[r][e] = gv[r][e] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (h < nh) xv[r][e] = __ldg((const float4*)x + 4 * h + e);
+                if (h < nh && norm) gv[r][e] = __ldg((const float4*)norm_w + 4 * h + e);
+            }
+        }
+        if (ssq && b == 0) ssq_scale = ssq_add(sl);
+        MVQ_TR_LANDED((MVQ_TRACE_DEP & 1 ? xv[H - 1][3].w : 0.f) +
+                      (MVQ_TRACE_DEP & 2 ? gv[H - 1][3].w : 0.f) +
+                      (MVQ_TRACE_DEP & 4 ? ssq_scale : 0.f));
+#pragma unroll
+        for (int r = 0; r < H; r++) {
+            const int h = b + r * W * 32 + threadIdx.x;
+            if (norm && h < nh) {
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    xv[r][e] = norm4(xv[r][e], ssq ? ssq_scale : s_scale[0], gv[r][e]);
+            }
+            quantize16(xv[r], h, h < nh, sq, sd, ss);
+        }
+        MVQ_TR_X1();
+    }
+#endif
     for (int base0 = 0; base0 < n4; base0 += XB * W * 32) {
         float4 xv[XB], gv[XB];
         double sl[MVQ_SSQ_MAX / 32];
-        if (ssq && base0 == 0) {  // issued before x's loads, added after (one round trip)
-#pragma unroll
-            for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) {
-                const int i = lane + 32 * u;
-                sl[u] = i < ssq_n ? ssq_in[i] : 0.0;
-            }
-        }
+        if (ssq && base0 == 0) ssq_issue(sl);
 #pragma unroll
         for (int r = 0; r < XB; r++) {
             int i4 = base0 + r * W * 32 + threadIdx.x;
@@ -975,12 +1060,7 @@ __device__ __forceinline__ void mvq_body(
             if (in) xv[r] = __ldg((const float4*)(x + (i64)t * k + j));
             if (in && norm) gv[r] = __ldg((const float4*)(norm_w + j));
         }
-        if (ssq && base0 == 0) {  // the same sum, bit for bit, in every lane of every block
-            double v = 0.0;
-#pragma unroll
-            for (int u = 0; u < MVQ_SSQ_MAX / 32; u++) v += sl[u];
-            ssq_scale = rms_scale(warp_sum_d(v), k, eps);  // block_rms_scale's float32 steps
-        }
+        if (ssq && base0 == 0) ssq_scale = ssq_add(sl);
         MVQ_TR_LANDED((MVQ_TRACE_DEP & 1 ? xv[XB - 1].w : 0.f) +
                       (MVQ_TRACE_DEP & 2 ? gv[XB - 1].w : 0.f) +
                       (MVQ_TRACE_DEP & 4 ? ssq_scale : 0.f));
