@@ -548,8 +548,6 @@ class CUDABackend(Backend):
         name = props["name"]
         self.device_name = name.decode() if isinstance(name, bytes) else str(name)
         self._n_sm = int(props["multiProcessorCount"])
-        # a build variant of the one-token matvecs (mmvq.cu): one block an SM
-        self._mvq_cor = layout.define_value("MVQ_COR", 0) != 0
         self._k_ring = None  # ring.cu's kernel, compiled on first use
         self._ring_mod = None
         self._smem_optin = int(props.get("sharedMemPerBlockOptin", 48 << 10))
@@ -1749,8 +1747,6 @@ class CUDABackend(Backend):
             65536 // (regs * threads),
             self._smem_per_sm // max(smem + 1024, 1),
         )
-        if mv.q8 and n == 1 and self._mvq_cor:
-            per_sm = 1  # one block an SM: the other half is the next launch's (mmvq.cu)
         n_blocks = min((rows + rows_per_block - 1) // rows_per_block, self._n_sm * max(1, per_sm))
         grid = (max(1, n_blocks),)
         if mv.q8:

@@ -30,19 +30,6 @@
 // fastest on the H200 for the 8B shapes; the small types keep 2 blocks of 8 warps, which the
 // 576-wide rows of small models prefer. The backend reads the block size back from the
 // kernel (max_threads_per_block).
-// MVQ_COR (off): the one-token launches take half an SM each, so that the next launch's
-// blocks sit beside the running ones, their first loads landed long before their wait:
-// 8-warp blocks of <= 128 registers (two fit an SM), one block an SM (the host, through
-// layout.define_value), x's loads two rounds at a time (as 16 warps' one), and the trigger
-// for the next launch when x is quantized (its blocks' first loads then don't delay x's;
-// MVQ_COR=2: right after the wait).
-#ifndef MVQ_COR
-#define MVQ_COR 0
-#endif
-#if MVQ_COR && (defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K))
-#define MVQ_WARPS 8
-#define MVQ_MIN_BLOCKS 2
-#endif
 #if defined(QTYPE_Q4_K) || defined(QTYPE_Q6_K)
 #ifndef MVQ_WARPS
 #define MVQ_WARPS 16
@@ -913,14 +900,8 @@ __device__ __forceinline__ void mvq_body(
     };
 
     // where this launch lets the next one in: pdl_at's point (0 entry, 1 after the wait, 2
-    // main work done), or with MVQ_COR its own (3 x quantized; =2: 1)
-    auto trigger_at = [&](int where) {
-        if constexpr (MVQ_COR && NT == 1) {
-            if (where == (MVQ_COR == 2 ? 1 : 3)) pdl_trigger();
-        } else if (where < 3) {
-            pdl_trigger_at(where, pdl_at);
-        }
-    };
+    // main work done)
+    auto trigger_at = [&](int where) { pdl_trigger_at(where, pdl_at); };
     trigger_at(0);
     // The weights are constant, so the first job's first iteration of loads goes out now,
     // into registers, while x is read and quantized (and, with dependent launches, while the
@@ -1077,7 +1058,6 @@ __device__ __forceinline__ void mvq_body(
     }
     __syncthreads();
     MVQ_TR(tr_2);
-    trigger_at(3);
 
     XQ x0 = {sq, sd, ss};
     const int crow = ROPE ? *ra.start : 0;
@@ -1269,7 +1249,7 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32) matvec_q8_4(MVQ_PAR
 }
 
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1(MVQ_PARAMS) {
-    mvq_body<1, MVQ_COR ? 2 : 1, false, MVQ_WARPS>(MVQ_ARGS);
+    mvq_body<1, 1, false, MVQ_WARPS>(MVQ_ARGS);
 }
 
 #if MVQ_SMALL_WARPS < MVQ_WARPS
@@ -1290,6 +1270,6 @@ extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) mat
 
 // one token's Q, K and V with RoPE and the KV cache write (ROPE above)
 extern "C" __global__ void __launch_bounds__(MVQ_WARPS * 32, MVQ_MIN_BLOCKS) matvec_q8_n1_rope(MVQ_PARAMS) {
-    mvq_body<1, MVQ_COR ? 2 : 1, true, MVQ_WARPS>(MVQ_ARGS);
+    mvq_body<1, 1, true, MVQ_WARPS>(MVQ_ARGS);
 }
 #endif  // RING_BUILD
