@@ -110,26 +110,6 @@
 #define MVQ_PRELOAD 1
 #endif
 
-// MVQ_PRE2 (one token, with MVQ_PIPE and MVQ_PRELOAD): a warp's second unit's loads go out
-// before the dependent-launch wait too, into the pipe's other register set, so that a
-// launch whose blocks enter well before their wait (attn_output's, while the attention's
-// few blocks run) has its whole weight in flight by then, and after the wait only x's
-// loads. Bits: 1 the plain and gated kernels (matvec_q8_n1), 2 the Q/K/V + RoPE kernel,
-// 4 the wide and small-grid ones. 0 (off) until timed; the default build's code is as
-// before. Q6_K takes only the bits of MVQ_PRE2_Q6K (2: with bit 1 its matvec_q8_n1, the
-// output matrix's kernel, spills 40 bytes by ptxas; with bit 4 the small one 12).
-#ifndef MVQ_PRE2
-#define MVQ_PRE2 0
-#endif
-#ifndef MVQ_PRE2_Q6K
-#define MVQ_PRE2_Q6K 2
-#endif
-#if defined(QTYPE_Q6_K)
-#define MVQ_PRE2_BITS (MVQ_PRE2 & MVQ_PRE2_Q6K)
-#else
-#define MVQ_PRE2_BITS MVQ_PRE2
-#endif
-
 // The most blocks a launch that writes x may have for its reader to take x's sum of squares
 // from their partial sums (ssq_out / ssq_in below); the host links no bigger launch.
 #ifndef MVQ_SSQ_MAX
@@ -914,28 +894,6 @@ __device__ __forceinline__ void mvq_body(
         Job jb = job_at(row_first);
         load_iter(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, lane, pa, pb);
     }
-#if MVQ_PIPE && MVQ_PRE2
-    QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];  // the pipe's second register set (below)
-    constexpr int PRE2_BIT = ROPE ? 2 : (XB > 1 || W != MVQ_WARPS ? 4 : 1);
-    bool pre2 = false;  // whether the second unit's loads are in (qa, qb)
-    if constexpr (NT == 1 && MVQ_PRELOAD && (MVQ_PRE2_BITS & PRE2_BIT) != 0) {
-        // the pipe's next unit after (row_first, 0): the job's second iteration, or the
-        // warp's next job
-        const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
-        const int j2 = n_it > 1 ? row_first : row_first + job_step, it2 = n_it > 1 ? 1 : 0;
-        if (have_first && j2 < n_jobs) {
-            const Job jb = job_at(j2);
-            const int c2 = lane + 32 * QD::UNROLL * it2;
-            if (cpr % (32 * QD::UNROLL) == 0 && jb.two)  // with_all's test (below)
-                load_iter<true>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, c2, qa, qb);
-            else
-                load_iter<false>(jb.a.f, jb.a.b0, jb.b.f, jb.b.b0, jb.two, cpr, c2, qa, qb);
-            pre2 = true;
-        }
-    }
-#else
-    constexpr bool pre2 = false;
-#endif
     if constexpr (ROPE) {
         // every pair's angle, with rope_head's float32 operations (ops.cu), before the dots:
         // not on the critical path of each pair's epilogue. The position was copied to the
@@ -1159,20 +1117,17 @@ __device__ __forceinline__ void mvq_body(
     if constexpr (NT == 1 && MVQ_PRELOAD) {
         if (have_first) {
             const int n_it = (cpr + 32 * QD::UNROLL - 1) / (32 * QD::UNROLL);
-#if !MVQ_PRE2
             QD::Raw qa[QD::UNROLL], qb[QD::UNROLL];
-#endif
             int jc = row_first, it = 0;
             float acc_a[1] = {0.f}, acc_b[1] = {0.f};
             // multiply the unit (job jc, iteration it) in (ca, cb) after issuing the next
-            // one's loads into (na, nb) (with pre2 the first step's went out before the
-            // wait); false when the warp has no unit left. (Jobs are located again where
-            // they are used, rather than kept live across units.)
+            // one's loads into (na, nb); false when the warp has no unit left. (Jobs are
+            // located again where they are used, rather than kept live across units.)
             auto step = [&](const QD::Raw* ca, const QD::Raw* cb, QD::Raw* na, QD::Raw* nb) {
                 int it_n = it + 1, j_n = jc;
                 if (it_n == n_it) it_n = 0, j_n = jc + job_step;
                 const bool more = j_n < n_jobs;
-                if (more && !pre2) {
+                if (more) {
                     const Job jn = job_at(j_n);
                     const int c_n = lane + 32 * QD::UNROLL * it_n;
                     with_all(jn, [&](auto all) {
@@ -1191,9 +1146,6 @@ __device__ __forceinline__ void mvq_body(
                     acc_a[0] = acc_b[0] = 0.f;
                 }
                 it = it_n, jc = j_n;
-#if MVQ_PRE2
-                pre2 = false;
-#endif
                 MVQ_TR_FIRST();
                 return more;
             };
