@@ -5,7 +5,7 @@
 // Activations. Each block of the grid quantizes x once into shared memory (the grid is one
 // wave of blocks, so this happens once per multiprocessor slot, not per row): each run of 32
 // values gets d = max|x| / 127 and codes q = round(x * (127 / max|x|)) in int8 (Q8_1's
-// scheme, the codes as ggml-cpu's quantize_row_q8_1 and so the CPU backend make them), and the
+// scheme; the codes are ggml-cpu's quantize_row_q8_1's, so the CPU backend's), and the
 // integer sum of each half (16 codes) is kept for the types whose codes carry an offset.
 // With `norm`, x is first RMS-normalized and scaled exactly as the rms_norm kernel does it.
 //
@@ -879,10 +879,8 @@ __device__ __forceinline__ void mvq_body(
         return jb;
     };
 
-    // where this launch lets the next one in: pdl_at's point (0 entry, 1 after the wait, 2
-    // main work done)
-    auto trigger_at = [&](int where) { pdl_trigger_at(where, pdl_at); };
-    trigger_at(0);
+    // the next launch is let in at pdl_at's point: 0 here, 1 after the wait, 2 at the end
+    pdl_trigger_at(0, pdl_at);
     // The weights are constant, so the first job's first iteration of loads goes out now,
     // into registers, while x is read and quantized (and, with dependent launches, while the
     // kernel before still runs). (An L2 prefetch of the warp's first rows besides, 2 or 8 KB
@@ -904,7 +902,7 @@ __device__ __forceinline__ void mvq_body(
     }
     pdl_wait();
     MVQ_TR(tr_1);
-    trigger_at(1);
+    pdl_trigger_at(1, pdl_at);
 
     signed char* sq = (signed char*)mvq_smem;
     float* sd = (float*)(sq + n * k);
@@ -1154,7 +1152,7 @@ __device__ __forceinline__ void mvq_body(
         }
         ssq_epilogue();
         MVQ_TR_END();
-        trigger_at(2);
+        pdl_trigger_at(2, pdl_at);
         return;
     }
 #endif
@@ -1167,7 +1165,7 @@ __device__ __forceinline__ void mvq_body(
     for (; j < n_jobs; j += job_step) run_job(job_at(j), BoolC<false>{});
     ssq_epilogue();
     MVQ_TR_END();
-    trigger_at(2);
+    pdl_trigger_at(2, pdl_at);
 }
 
 #ifndef RING_BUILD  // ring.cu builds the code above without the kernels

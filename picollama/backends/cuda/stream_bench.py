@@ -350,12 +350,6 @@ extern "C" __global__ void x_bcast(const uint4* __restrict__ w, u64 w16,
     if (acc == 0x9e3779b9u) out[0] = acc;
 }
 
-// x as the kernel before a matvec leaves it, for x_bcast (mode 0) to read right after:
-// how 0, float4 stores over a grid-stride loop (an elementwise kernel's way); how 1, a row a
-// warp at a time (rows gw, gw + the grid's warps, ...), lane 0 storing its 4 bytes, as the
-// matvecs write their outputs; how 2, as 1, each row after the warp has read `units` units
-// of 3 KB of weights (the row's dot: the weights stream through L2 while x is written).
-// x[i] = stamp + i, so a reader's values are known.
 // rows gw, gw + the grid's warps, ... of x, each after the warp has read `units` units of 3
 // KB of weights (the row's dot), lane 0 storing its 4 bytes: x[r] = stamp + r
 __device__ __forceinline__ void write_x_rows(const uint4* __restrict__ w, u64 w16, float* x,
@@ -372,6 +366,11 @@ __device__ __forceinline__ void write_x_rows(const uint4* __restrict__ w, u64 w1
         if (lane == 0) x[r] = stamp + (float)r + (acc == 0x9e3779b9u ? 1.f : 0.f);
     }
 }
+// x as the kernel before a matvec leaves it, for x_bcast (mode 0) to read right after:
+// how 0, float4 stores over a grid-stride loop (an elementwise kernel's way); how 1, a row a
+// warp at a time (write_x_rows), as the matvecs write their outputs; how 2, as 1, each row
+// after the warp has read `units` units of 3 KB of weights (the row's dot: the weights
+// stream through L2 while x is written). x[i] = stamp + i, so a reader's values are known.
 extern "C" __global__ void x_fresh_write(const uint4* __restrict__ w, u64 w16, float* x, int xw,
                                          int how, int units, float stamp, u32* out) {
     if (how == 0) {
